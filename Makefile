@@ -1,0 +1,55 @@
+# unispec — the README's two commands are `make demo` and `make test`; both install into .venv first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+UNISPEC := $(VENV)/bin/unispec
+STAMP := $(VENV)/.unispec-installed
+PYTEST_FAST := -m "not slow and not gpu and not trt"
+
+# make export TARGET=dir [DRAFT=dir] METHOD=mtp K=3 OUT=artifacts/x
+TARGET ?=
+DRAFT ?=
+METHOD ?= none
+K ?= 3
+OUT ?= artifacts/$(METHOD)
+ART ?= $(OUT)
+
+.PHONY: install test test-all lint demo export engines bench clean
+
+install: $(STAMP)
+
+# torch first, pinned: any other version or a loose range pulls gigabytes of CUDA packages.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_FAST)
+
+test-all: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check unispec export runtime plugins engines tests
+
+demo: install
+	$(UNISPEC) demo
+
+export: install
+	@test -n "$(TARGET)" || { echo "usage: make export TARGET=dir [DRAFT=dir] METHOD=m K=n OUT=dir"; exit 2; }
+	$(UNISPEC) export --target $(TARGET) $(if $(DRAFT),--draft $(DRAFT)) --method $(METHOD) \
+		--num-speculative-tokens $(K) --out $(OUT)
+
+engines: install
+	$(UNISPEC) build $(ART)
+
+bench: install
+	$(UNISPEC) bench $(ART)
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	find . -name __pycache__ -type d -prune -not -path './$(VENV)/*' -exec rm -rf {} +

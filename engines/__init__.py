@@ -1,0 +1,1 @@
+"""unispec engines: ONNX artifact -> TensorRT engine."""

@@ -1,0 +1,1 @@
+"""unispec export: configs, checkpoint loading, torch models, speculative math, ONNX export."""

@@ -1,0 +1,75 @@
+"""The architecture registry: which config class reads which Hugging Face checkpoint.
+
+Declarative on purpose (no `if arch == ...` chains): each entry names the HF `architectures` and
+`model_type` values it accepts and where its config class lives; modules are imported only when used.
+`architectures` wins over `model_type`, because drafts reuse their target's model_type (an Eagle3 head
+says `llama`, a NextN checkpoint says `deepseek_v3`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArchEntry:
+    name: str                       # our name, also the folder under export/archs/
+    role: str                       # "target" or "draft"
+    config: str                     # "module:ClassName" of the frozen config dataclass
+    architectures: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
+
+    def config_class(self) -> Any:
+        module, cls = self.config.split(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+REGISTRY: tuple[ArchEntry, ...] = (
+    ArchEntry(name="llama3", role="target", config="export.archs.llama3.config:Llama3Config",
+              architectures=("LlamaForCausalLM",), model_types=("llama",)),
+    ArchEntry(name="deepseek_v3", role="target", config="export.archs.deepseek_v3.config:DeepseekV3Config",
+              architectures=("DeepseekV3ForCausalLM",), model_types=("deepseek_v3",)),
+    ArchEntry(name="gemma4", role="target", config="export.archs.gemma4.config:Gemma4TextConfig",
+              architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+              model_types=("gemma4", "gemma4_text")),
+    ArchEntry(name="nextn", role="draft", config="export.archs.nextn.config:NextNConfig",
+              architectures=("DeepseekV3ForCausalLMNextN",)),
+    ArchEntry(name="eagle3", role="draft", config="export.archs.eagle3.config:Eagle3Config",
+              architectures=("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM",
+                             "Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")),
+    ArchEntry(name="dflash", role="draft", config="export.archs.dflash.config:DFlashConfig",
+              architectures=("DFlashDraftModel",)),
+    ArchEntry(name="gemma4_assistant", role="draft",
+              config="export.archs.gemma4_assistant.config:Gemma4AssistantConfig",
+              architectures=("Gemma4AssistantForCausalLM",), model_types=("gemma4_assistant",)),
+)
+
+
+def find_arch(hf_config: Mapping[str, Any]) -> ArchEntry:
+    """The registry entry for a config.json dict, or a ConfigError naming what was found."""
+    architectures = hf_config.get("architectures") or ()
+    for entry in REGISTRY:
+        if any(a in entry.architectures for a in architectures):
+            return entry
+    # DFlash drafts may omit `architectures` but always carry `dflash_config`.
+    if "dflash_config" in hf_config:
+        return next(e for e in REGISTRY if e.name == "dflash")
+    model_type = hf_config.get("model_type")
+    for entry in REGISTRY:
+        if model_type in entry.model_types:
+            return entry
+    known = sorted({t for e in REGISTRY for t in e.model_types})
+    raise ConfigError(
+        f"config.json: unknown model_type {model_type!r} (architectures {list(architectures)}); "
+        f"unispec supports model_type {', '.join(known)} and the drafts in DESIGN.md §1"
+    )
+
+
+def config_from_hf(hf_config: Mapping[str, Any]) -> Any:
+    """Parse a config.json dict with the config class its registry entry names."""
+    return find_arch(hf_config).config_class().from_hf(dict(hf_config))

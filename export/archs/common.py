@@ -1,0 +1,39 @@
+"""Ragged-batch and paged-pool helpers shared by every architecture's step module.
+
+Conventions (DESIGN.md §3): `tokens`/`positions` are [S] (all rows concatenated), `row_offsets` [B+1],
+`cache_lengths` [B], `block_table` [B, max_blocks], `kv_pool` [num_blocks, L, block_size, W].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plugins.paged_attention.reference import row_ids_of
+
+__all__ = ["gather_pool", "last_n_indices", "row_ids_of", "rms_norm"]
+
+
+def gather_pool(kv_pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Every row's past from the pool with ONE Gather on the block axis, then layers split out.
+
+    Slicing the pool per layer would copy the whole pool every step in ONNX Runtime (see
+    reference/feasibility.md §5); gathering the row's blocks first keeps the cost independent of pool size.
+    Returns [L, B, max_blocks * block_size, W]: slot p of row b holds absolute position p.
+    """
+    batch, max_blocks = block_table.shape
+    _, num_layers, block_size, width = kv_pool.shape
+    rows = kv_pool[block_table]                                   # [B, MB, L, bs, W]
+    rows = rows.permute(2, 0, 1, 3, 4)                            # [L, B, MB, bs, W]
+    return rows.reshape(num_layers, batch, max_blocks * block_size, width)
+
+
+def last_n_indices(row_offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Token indices of the last `n` tokens of every row: [B, n] (each row must hold >= n tokens)."""
+    return row_offsets[1:, None] - n + torch.arange(n, device=row_offsets.device)[None, :]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm computed in float32; `offset=1.0` for checkpoints that store `weight - 1` (Gemma)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (weight.float() + offset)).to(x.dtype)

@@ -1,0 +1,1 @@
+"""unispec custom ops, one folder per op. Imports nothing else of unispec."""

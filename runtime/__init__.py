@@ -1,0 +1,1 @@
+"""unispec runtime: reads artifact directories only; never imports `export` or `engines`."""

@@ -1,0 +1,34 @@
+"""The CLI skeleton: help works, unfinished commands fail with one line, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from unispec.cli import main
+
+COMMANDS = ("export", "build", "run", "bench", "compare", "inspect", "demo", "tiny")
+
+
+def test_help_lists_every_command() -> None:
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for command in COMMANDS:
+        assert command in result.output
+
+
+@pytest.mark.parametrize("argv", [["build", "x"], ["run", "x", "--prompt", "hi"], ["bench", "x"],
+                                  ["compare", "x"], ["demo"]])
+def test_unfinished_commands_fail_in_one_line(argv: list[str]) -> None:
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 1
+    assert "not implemented yet" in result.output
+    assert result.output.strip().count("\n") == 0
+    assert "Traceback" not in result.output
+
+
+def test_facade_reports_unlanded_api() -> None:
+    import unispec
+    assert unispec.__version__
+    with pytest.raises(AttributeError):
+        unispec.does_not_exist  # noqa: B018
