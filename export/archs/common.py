@@ -10,7 +10,7 @@ import torch
 
 from plugins.paged_attention.reference import row_ids_of
 
-__all__ = ["gather_pool", "last_n_indices", "row_ids_of", "rms_norm"]
+__all__ = ["gather_pool", "last_n_indices", "rms_norm", "row_ids_of", "scatter_rows"]
 
 
 def gather_pool(kv_pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -37,3 +37,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * (weight.float() + offset)).to(x.dtype)
+
+
+def scatter_rows(past: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """A copy of a gathered past with this step's in-graph K/V rows written at their positions.
+
+    past      [L, B, P, W]  from gather_pool (small: only the rows' own blocks, never the whole pool)
+    rows      [N, L, W]     K/V computed in-graph for N tokens (e.g. draft step 0 over the merged rows)
+    row_ids   [N]           batch row of each token
+    positions [N]           absolute position of each token (must be < P: the caller reserves blocks)
+    Later draft steps then attend to `past` with advanced cache lengths; slots beyond a row's cache length
+    (rejected drafts) stay masked, so writing every row and masking by length is exact.
+    """
+    num_layers, batch, slots, width = past.shape
+    flat = past.reshape(num_layers, batch * slots, width)                          # [L, B*P, W]
+    index = (row_ids * slots + positions)[None, :, None].expand(num_layers, -1, width)
+    flat = flat.scatter(1, index, rows.permute(1, 0, 2).to(past.dtype))           # [L, B*P, W]
+    return flat.reshape(num_layers, batch, slots, width)

@@ -29,3 +29,15 @@ def test_release_returns_blocks() -> None:
     assert len(pools.free) == 4
     pools.release(0)
     assert len(pools.free) == 8
+
+
+def test_scatter_rows_writes_only_the_given_slots() -> None:
+    from export.archs.common import scatter_rows
+
+    past = torch.zeros(2, 3, 5, 4)                                   # [L, B, P, W]
+    rows = torch.arange(3 * 2 * 4, dtype=torch.float32).reshape(3, 2, 4)
+    out = scatter_rows(past, rows, row_ids=torch.tensor([0, 2, 2]), positions=torch.tensor([4, 0, 1]))
+    assert torch.equal(out[:, 0, 4], rows[0]) and torch.equal(out[:, 2, 0], rows[1])
+    assert torch.equal(out[:, 2, 1], rows[2])
+    assert out.abs().sum() == rows.abs().sum()                       # nothing else touched
+    assert past.abs().sum() == 0                                     # functional: input unchanged
