@@ -1,0 +1,149 @@
+"""Reference generation loop in torch: owns paged pools, feeds a unified step, applies the commit rule.
+
+This is the executable definition of how a host drives a step graph (DESIGN.md §3), used by the tests
+(losslessness, injected drafts) and as the ORT parity oracle. The production host loop with scheduling,
+preemption and persistent buffers is the runtime's; this one favours clarity.
+
+Per step, for every active row:
+  prefill row:  tokens = the next prompt chunk, drafts = -1, chunk_next_tokens = the following prompt
+                token when the prompt continues (else -1)
+  decode row:   tokens = [last next_token], drafts = the previous step's next_draft_tokens
+  commit:       n = len(tokens) + num_accepted rows of each delta segment (merged segment = len(tokens) + K)
+  output:       accepted drafts + next_token, unless the prompt continues (then nothing)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from export.paged import PagedPools
+from runtime import manifest as io
+
+# feeds -> outputs, both keyed by the contract's names (a torch module, an ORT session, ...).
+RunStep = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+# (request index, draft width K) -> noise [K+1, C] for this request's next step.
+NoiseFn = Callable[[int, int], np.ndarray]
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    thinking: bool = False
+    arrival_step: int = 0          # joins the batch at this step (rows joining mid-batch)
+    injected_drafts: Callable[[list[int]], list[int]] | None = None  # tests: override drafts from the history
+
+
+@dataclass
+class _Row:
+    request: Request
+    index: int
+    prefilled: int = 0
+    generated: list[int] = field(default_factory=list)
+    next_token: int = -1
+    drafts: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)   # num_accepted per decode step
+
+
+@dataclass(frozen=True)
+class Generation:
+    tokens: list[int]
+    accepted_per_step: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepGeometry:
+    k: int                                  # draft width of the artifact
+    pools: Mapping[str, tuple[int, int]]    # pool name -> (layers, width), e.g. {"kv_pool": (L, W)}
+    noise_channels: int
+    block_size: int = 4
+    num_blocks: int = 256
+    max_batch: int = 8
+    prefill_chunk: int = 0                  # 0 = whole prompt in one step
+
+
+def generate(run_step: RunStep, geometry: StepGeometry, requests: Sequence[Request], noise: NoiseFn, *,
+             dtype: torch.dtype = torch.float32, seed: int = 0) -> list[Generation]:
+    pools = PagedPools(geometry.pools, num_blocks=geometry.num_blocks, block_size=geometry.block_size,
+                       dtype=dtype, seed=seed)
+    waiting = [_Row(r, i) for i, r in enumerate(requests)]
+    running: list[_Row] = []
+    done: dict[int, _Row] = {}
+    step = 0
+    while waiting or running:
+        while waiting and len(running) < geometry.max_batch and waiting[0].request.arrival_step <= step:
+            row = waiting.pop(0)
+            pools.add(row.index)
+            running.append(row)
+        if running:
+            _one_step(run_step, geometry, pools, running, noise)
+            for row in [r for r in running if len(r.generated) >= r.request.max_new_tokens]:
+                row.generated = row.generated[: row.request.max_new_tokens]
+                running.remove(row)
+                pools.release(row.index)
+                done[row.index] = row
+        step += 1
+    return [Generation(done[i].generated, done[i].accepted) for i in range(len(requests))]
+
+
+def _row_inputs(row: _Row, k: int, chunk: int) -> tuple[list[int], list[int], int]:
+    """(tokens, drafts, chunk_next_token) of one row for this step."""
+    prompt = row.request.prompt
+    if row.prefilled < len(prompt):
+        end = len(prompt) if chunk <= 0 else min(len(prompt), row.prefilled + chunk)
+        following = prompt[end] if end < len(prompt) else -1
+        return prompt[row.prefilled:end], [-1] * k, following
+    drafts = row.drafts
+    if row.request.injected_drafts is not None:
+        drafts = row.request.injected_drafts(row.request.prompt + row.generated)[:k]
+    return [row.next_token], drafts if drafts else [-1] * k, -1
+
+
+def _one_step(run_step: RunStep, geo: StepGeometry, pools: PagedPools, rows: list[_Row], noise: NoiseFn) -> None:
+    k = geo.k
+    inputs = [_row_inputs(r, k, geo.prefill_chunk) for r in rows]
+    ids = [r.index for r in rows]
+    for r, (tokens, _, _) in zip(rows, inputs):
+        # merged positions plus the K-1 sequential draft steps must have blocks (DESIGN.md §3).
+        pools.reserve(r.index, pools.lengths[r.index] + len(tokens) + 2 * k + 1)
+    lengths = [len(t) for t, _, _ in inputs]
+    cache = pools.cache_lengths(ids)
+    feeds = {
+        io.TOKENS: torch.tensor([t for ts, _, _ in inputs for t in ts], dtype=torch.int64),
+        io.ROW_OFFSETS: torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
+        io.POSITIONS: torch.cat([torch.arange(c, c + n) for c, n in zip(cache.tolist(), lengths)]),
+        io.CACHE_LENGTHS: cache,
+        io.BLOCK_TABLE: pools.block_table(ids),
+        io.DRAFT_TOKENS: torch.tensor([d for _, d, _ in inputs], dtype=torch.int64).reshape(len(rows), k),
+        io.CHUNK_NEXT_TOKENS: torch.tensor([c for _, _, c in inputs], dtype=torch.int64),
+        io.TEMPERATURE: torch.tensor([r.request.temperature for r in rows], dtype=torch.float32),
+        io.TOP_K: torch.tensor([r.request.top_k for r in rows], dtype=torch.int64),
+        io.TOP_P: torch.tensor([r.request.top_p for r in rows], dtype=torch.float32),
+        io.MIN_P: torch.tensor([r.request.min_p for r in rows], dtype=torch.float32),
+        io.NOISE: torch.from_numpy(np.stack([noise(r.index, k) for r in rows]).astype(np.float32)),
+        io.IN_THINKING_PHASE: torch.tensor([r.request.thinking for r in rows], dtype=torch.bool),
+        **pools.pools,
+    }
+    out = run_step(feeds)
+    num_accepted = out[io.NUM_ACCEPTED].tolist()
+    starts = (feeds[io.ROW_OFFSETS][:-1] + torch.arange(len(rows)) * k).tolist()
+    deltas = {name: out[io.DELTA_OF_POOL[name]] for name in geo.pools}
+    pools.commit(ids, deltas, starts, [n + a for n, a in zip(lengths, num_accepted)])
+    next_tokens, next_drafts = out[io.NEXT_TOKENS].tolist(), out[io.NEXT_DRAFT_TOKENS].tolist()
+    for r, (tokens, drafts, following), a, nxt, nd in zip(rows, inputs, num_accepted, next_tokens, next_drafts):
+        if r.prefilled < len(r.request.prompt):
+            r.prefilled += len(tokens)
+            if following >= 0:
+                continue                      # the prompt continues: this step's next token is ignored
+        else:
+            r.accepted.append(a)
+        r.generated.extend(drafts[:a] + [nxt])
+        r.next_token, r.drafts = nxt, nd

@@ -1,0 +1,130 @@
+"""Sequential drafters (mtp, nextn, eagle3, eagle3-mha, gemma4-mtp) inside one step graph.
+
+After verification, the drafter runs once over all merged rows (step 0: token j+1 with the target feature
+of position j, the EAGLE/MTP shift), which also yields the draft KV of every merged position
+(`draft_kv_delta`); the first next draft is read at each row's last accepted position. Steps 1..K-1 then
+feed one token per row (the previous draft and the drafter's own carried hidden state) at the next
+position. Later steps read this step's in-graph draft KV through a *working cache*: the rows' gathered
+past with the step-0 rows scattered in (export/archs/common.scatter_rows); rows past the last accepted
+position are masked by cache length, so rejected drafts are never seen.
+
+positions, for row b with `a` = its last accepted absolute position (cache_len + in_len + n - 1):
+  step 0 writes merged positions; step s >= 1 runs at position a + s with a + s valid cache slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+from export.archs.common import gather_pool, row_ids_of, scatter_rows
+from export.step import spec_glue as spec
+from export.step.base import UnifiedStep, target_pools
+from runtime import manifest as io
+
+
+class DraftBatch(NamedTuple):
+    tokens: torch.Tensor         # [N]
+    hidden: torch.Tensor         # [N, F] target feature (step 0) or the drafter's carried state
+    positions: torch.Tensor      # [N]
+    row_offsets: torch.Tensor    # [B+1]
+    cache_lengths: torch.Tensor  # [B] valid working-cache slots before these tokens
+    committed: torch.Tensor      # [B] positions < committed hold accepted target tokens
+
+
+class SequentialDrafter(Protocol):
+    """What a sequential drafter supplies; `PagedDrafter` implements the cache part for one own pool."""
+
+    pool_names: tuple[str, ...]
+
+    def feature(self, hidden: torch.Tensor, captured: torch.Tensor) -> torch.Tensor: ...
+
+    def open_cache(self, pools: Mapping[str, torch.Tensor], target_deltas: Mapping[str, torch.Tensor],
+                   block_table: torch.Tensor, row_ids: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+    def extend_cache(self, cache: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...], row_ids: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+    def __call__(self, batch: DraftBatch, cache: tuple[torch.Tensor, ...]
+                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]: ...
+
+    def logits(self, head_in: torch.Tensor) -> torch.Tensor: ...
+
+
+class PagedDrafter(nn.Module):
+    """Cache handling for a drafter with one pool of its own (`draft_kv_pool`, [NB, Ld, bs, Wd])."""
+
+    pool_names: tuple[str, ...] = (io.DRAFT_KV_POOL,)
+
+    def open_cache(self, pools: Mapping[str, torch.Tensor], target_deltas: Mapping[str, torch.Tensor],
+                   block_table: torch.Tensor, row_ids: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (gather_pool(pools[io.DRAFT_KV_POOL], block_table),)                  # ([Ld, B, P, Wd],)
+
+    def extend_cache(self, cache: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...], row_ids: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (scatter_rows(cache[0], rows[0], row_ids, positions),)
+
+
+class SequentialStep(UnifiedStep):
+    def __init__(self, target: nn.Module, drafter: nn.Module, k: int, *, structured_output: bool = False) -> None:
+        super().__init__()
+        assert k >= 1
+        self.target, self.drafter, self.k = target, drafter, k
+        self.target_pool_names = target_pools(target)
+        self.draft_pool_names = tuple(drafter.pool_names)
+        self.structured_output = structured_output
+
+    def step(self, f: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        k = self.k
+        m = spec.merge(f[io.TOKENS], f[io.ROW_OFFSETS], f[io.POSITIONS], f[io.DRAFT_TOKENS])
+        logits, hidden, captured, *target_deltas = self.target(
+            m.tokens, m.row_offsets, m.positions, f[io.CACHE_LENGTHS], f[io.BLOCK_TABLE],
+            *[f[p] for p in self.target_pool_names])
+        verdict = spec.verify(logits, f, structured=self.structured_output)            # [B] each
+        shifted = spec.shift(m, verdict.num_accepted, verdict.next_tokens, f[io.CHUNK_NEXT_TOKENS])  # [M]
+        last = spec.last_accepted(m, verdict.num_accepted)                              # [B] merged index
+        committed = m.positions[last] + 1                                               # [B]
+
+        deltas = dict(zip(self.target_pool_names, target_deltas))
+        pools = {p: f[p] for p in self.target_pool_names + self.draft_pool_names}
+        rows_m = row_ids_of(m.row_offsets, m.tokens.shape[0])                          # [M]
+        drafter = self.drafter
+        cache = drafter.open_cache(pools, deltas, f[io.BLOCK_TABLE], rows_m, m.positions)
+        batch = DraftBatch(shifted, drafter.feature(hidden, captured), m.positions, m.row_offsets,
+                           f[io.CACHE_LENGTHS], committed)
+        carry, head_in, draft_rows = drafter(batch, cache)
+        cache = drafter.extend_cache(cache, draft_rows, rows_m, m.positions)
+        carry, head_in = carry[last], head_in[last]                                     # [B, F], [B, Hd]
+        drafts = [drafter.logits(head_in).argmax(-1)]                                   # [B]
+        one_each = torch.arange(last.shape[0] + 1, device=last.device)                  # [B+1]
+        for s in range(1, k):
+            position = committed + (s - 1)                                              # [B]
+            batch = DraftBatch(drafts[-1], carry, position, one_each, position, committed)
+            carry, head_in, rows = drafter(batch, cache)
+            cache = drafter.extend_cache(cache, rows, one_each[:-1], position)
+            drafts.append(drafter.logits(head_in).argmax(-1))
+        return (verdict.num_accepted, verdict.next_tokens, torch.stack(drafts, dim=1),
+                *target_deltas, *draft_rows)
+
+
+class TargetOnlyStep(UnifiedStep):
+    """Method `none`: plain decoding through the same contract (K = 0, no drafts)."""
+
+    def __init__(self, target: nn.Module, *, structured_output: bool = False) -> None:
+        super().__init__()
+        self.target, self.k = target, 0
+        self.target_pool_names = target_pools(target)
+        self.structured_output = structured_output
+
+    def step(self, f: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        logits, _, _, *target_deltas = self.target(
+            f[io.TOKENS], f[io.ROW_OFFSETS], f[io.POSITIONS], f[io.CACHE_LENGTHS], f[io.BLOCK_TABLE],
+            *[f[p] for p in self.target_pool_names])
+        verdict = spec.verify(logits, f, structured=self.structured_output)
+        no_drafts = f[io.DRAFT_TOKENS][:, :0]                                           # [B, 0]
+        return (verdict.num_accepted, verdict.next_tokens, no_drafts, *target_deltas)

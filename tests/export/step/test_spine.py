@@ -1,0 +1,64 @@
+"""The step spine with a real target and a drafter that predicts nothing useful.
+
+Losslessness must not depend on draft quality: with useless drafts, greedy speculative output still
+equals target-only output; injected oracle drafts are accepted in full, a wrong draft at j accepts j.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from export.archs.llama3.config import Llama3Config
+from export.archs.llama3.model import Llama3Target
+from export.step.sequential import DraftBatch, PagedDrafter, SequentialStep, TargetOnlyStep
+from tests.export.step import harness
+
+VOCAB, HIDDEN, CHANNELS = 97, 32, 3
+POOLS = {"kv_pool": (2, 2 * 2 * 8), "draft_kv_pool": (1, 4)}
+
+
+def _config() -> Llama3Config:
+    return Llama3Config.from_hf(dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+        hidden_act="silu", tie_word_embeddings=False, architectures=["LlamaForCausalLM"]))
+
+
+class UselessDrafter(PagedDrafter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def feature(self, hidden: torch.Tensor, captured: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def forward(self, batch: DraftBatch, cache: tuple[torch.Tensor, ...]):
+        return batch.hidden, batch.hidden, (batch.hidden[:, None, :4],)
+
+    def logits(self, head_in: torch.Tensor) -> torch.Tensor:
+        return self.head(head_in)
+
+
+def _steps(k: int) -> tuple[TargetOnlyStep, SequentialStep]:
+    torch.manual_seed(0)
+    one = Llama3Target(_config(), num_logits=1).eval()
+    many = Llama3Target(_config(), num_logits=k + 1).eval()
+    many.load_state_dict(one.state_dict())
+    return TargetOnlyStep(one), SequentialStep(many, UselessDrafter(), k)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_lossless_and_injected_drafts(k: int) -> None:
+    baseline, spec = _steps(k)
+    want = harness.check_lossless(baseline, spec, POOLS, VOCAB, CHANNELS)
+    harness.check_injected_drafts(spec, POOLS, harness.requests(VOCAB), want, CHANNELS)
+
+
+def test_io_names_follow_the_contract() -> None:
+    baseline, spec = _steps(2)
+    assert spec.input_names[:6] == ("tokens", "row_offsets", "positions", "cache_lengths", "block_table",
+                                    "draft_tokens")
+    assert "kv_pool" in spec.input_names and "draft_kv_pool" in spec.input_names
+    assert spec.output_names == ("num_accepted", "next_tokens", "next_draft_tokens", "kv_delta", "draft_kv_delta")
+    assert "draft_kv_pool" not in baseline.input_names
