@@ -22,7 +22,9 @@ def gather_pool(kv_pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
     """
     batch, max_blocks = block_table.shape
     _, num_layers, block_size, width = kv_pool.shape
-    rows = kv_pool[block_table]                                   # [B, MB, L, bs, W]
+    # index_select exports as a plain Gather on axis 0 (advanced indexing would become GatherND).
+    rows = kv_pool.index_select(0, block_table.reshape(-1))       # [B*MB, L, bs, W]
+    rows = rows.reshape(batch, max_blocks, num_layers, block_size, width)
     rows = rows.permute(2, 0, 1, 3, 4)                            # [L, B, MB, bs, W]
     return rows.reshape(num_layers, batch, max_blocks * block_size, width)
 
