@@ -1,0 +1,1 @@
+"""DFlash block-diffusion drafter (`DFlashDraftModel`, Qwen3-style layers): `config.DFlashConfig`."""

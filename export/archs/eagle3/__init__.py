@@ -1,0 +1,1 @@
+"""Eagle3 draft head (Llama-style MHA or DeepSeek-style MLA draft layer): `config.Eagle3Config`."""
