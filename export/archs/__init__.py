@@ -21,27 +21,39 @@ class ArchEntry:
     name: str                       # our name, also the folder under export/archs/
     role: str                       # "target" or "draft"
     config: str                     # "module:ClassName" of the frozen config dataclass
+    model: str = ""                 # targets: "module:ClassName" of the step module (has `from_checkpoint`)
     architectures: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ()
 
     def config_class(self) -> Any:
-        module, cls = self.config.split(":")
-        return getattr(importlib.import_module(module), cls)
+        return _load(self.config)
+
+    def model_class(self) -> Any:
+        return _load(self.model)
+
+
+def _load(path: str) -> Any:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 REGISTRY: tuple[ArchEntry, ...] = (
     ArchEntry(name="llama3", role="target", config="export.archs.llama3.config:Llama3Config",
+              model="export.archs.llama3.model:Llama3Target",
               architectures=("LlamaForCausalLM",), model_types=("llama",)),
     ArchEntry(name="deepseek_v3", role="target", config="export.archs.deepseek_v3.config:DeepseekV3Config",
+              model="export.archs.deepseek_v3.model:DeepseekV3Target",
               architectures=("DeepseekV3ForCausalLM",), model_types=("deepseek_v3",)),
     ArchEntry(name="gemma4", role="target", config="export.archs.gemma4.config:Gemma4TextConfig",
+              model="export.archs.gemma4.model:Gemma4Target",
               architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
               model_types=("gemma4", "gemma4_text")),
     ArchEntry(name="nextn", role="draft", config="export.archs.nextn.config:NextNConfig",
               architectures=("DeepseekV3ForCausalLMNextN",)),
     ArchEntry(name="eagle3", role="draft", config="export.archs.eagle3.config:Eagle3Config",
               architectures=("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM",
-                             "Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")),
+                             "Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM",
+                             "DeepseekV3ForCausalLMEagle3")),
     ArchEntry(name="dflash", role="draft", config="export.archs.dflash.config:DFlashConfig",
               architectures=("DFlashDraftModel",)),
     ArchEntry(name="gemma4_assistant", role="draft",

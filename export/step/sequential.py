@@ -128,3 +128,10 @@ class TargetOnlyStep(UnifiedStep):
         verdict = spec.verify(logits, f, structured=self.structured_output)
         no_drafts = f[io.DRAFT_TOKENS][:, :0]                                           # [B, 0]
         return (verdict.num_accepted, verdict.next_tokens, no_drafts, *target_deltas)
+
+
+def build_target_only(target: object, draft: object, *, k: int, dtype: torch.dtype | None = None) -> TargetOnlyStep:
+    """Method `none`: the target alone (K is ignored: plain decoding has no drafts)."""
+    from export.targets import load_target
+
+    return TargetOnlyStep(load_target(target, num_logits=1, dtype=dtype))

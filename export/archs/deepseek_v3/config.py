@@ -58,8 +58,8 @@ class RopeConfig:
               f"rope_type {self.rope_type!r} is not supported; DeepSeek-V3 uses 'yarn' (or 'default' for none)")
         check(self.rope_theta > 0, what, f"'rope_theta' must be > 0, got {self.rope_theta}; fix it in config.json")
         check(self.factor >= 1.0, what, f"'factor' must be >= 1, got {self.factor}; fix it in config.json")
-        check(self.beta_fast > self.beta_slow > 0, what,
-              f"need beta_fast > beta_slow > 0, got {self.beta_fast} / {self.beta_slow}; fix them in config.json")
+        check(self.beta_fast >= self.beta_slow > 0, what,  # Kimi-K2 uses beta_fast == beta_slow == 1
+              f"need beta_fast >= beta_slow > 0, got {self.beta_fast} / {self.beta_slow}; fix them in config.json")
         check(self.original_max_position_embeddings >= 1, what,
               "'original_max_position_embeddings' must be >= 1; fix it in config.json")
 

@@ -13,7 +13,8 @@ A block is `h += MLA(input_layernorm(h)); h += MLP(post_attention_layernorm(h))`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,7 +23,12 @@ from export.archs.common import gather_pool, last_n_indices
 from export.archs.deepseek_v3.config import DeepseekV3Config
 from export.archs.deepseek_v3.mla import DeepseekRope, MultiLatentAttention, RMSNorm
 from export.archs.deepseek_v3.moe import DeepseekMoE, SiluMLP
+from export.archs.deepseek_v3.weights import adapt_target
+from runtime import manifest as io
 from runtime.errors import ExportError
+
+if TYPE_CHECKING:
+    from typing import Self
 
 
 class DeepseekV3Block(nn.Module):
@@ -69,6 +75,23 @@ class DeepseekV3Target(nn.Module):
             DeepseekV3Block(config, moe=config.is_moe_layer(i), absorb=absorb) for i in range(layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def from_checkpoint(cls, config: DeepseekV3Config, source: Mapping[str, torch.Tensor], *, num_logits: int = 1,
+                        capture_layers: Sequence[int] = (), dtype: torch.dtype | None = None,
+                        absorb: bool = True) -> Self:
+        """Build on the meta device and adopt the adapted tensors, so weights are never held twice."""
+        with torch.device("meta"):
+            model = cls(config, num_logits=num_logits, capture_layers=capture_layers, absorb=absorb)
+        state = adapt_target(source, config)
+        if dtype is not None:
+            state = {k: t.to(dtype) for k, t in state.items()}
+        model.load_state_dict(state, assign=True)
+        return model.eval()
+
+    def pool_shapes(self) -> dict[str, tuple[int, int]]:
+        """(layers, width) of each pool this target reads: one latent row per layer."""
+        return {io.KV_POOL: (self.config.num_hidden_layers, self.config.kv_width)}
 
     def forward(
         self,

@@ -234,10 +234,10 @@ def _from_text_fields(f: HFFields) -> Gemma4TextConfig:
         raise f.error("use_bidirectional_attention", "is 'all' (a non-causal encoder)",
                       "unispec decodes causally; use a causal Gemma 4 checkpoint")
     num_layers = f.int("num_hidden_layers", min=1)
-    layer_types = _layer_types(f, num_layers)
+    layer_types = read_layer_types(f, num_layers)
     k_eq_v = f.bool("attention_k_eq_v", False)
-    heads = _per_type_heads(f, layer_types, k_eq_v)
-    rope = _rope_by_type(f)
+    heads = read_per_type_heads(f, layer_types, k_eq_v)
+    rope = read_rope_by_type(f)
     ple = f.d.get("hidden_size_per_layer_input", 256)
     return Gemma4TextConfig(
         vocab_size=f.int("vocab_size", min=1),
@@ -253,7 +253,7 @@ def _from_text_fields(f: HFFields) -> Gemma4TextConfig:
         num_kv_shared_layers=f.int("num_kv_shared_layers", 0, min=0),
         # An explicit null switches PLE off (transformers tests truthiness); absent means the 5.23 default.
         hidden_size_per_layer_input=0 if ple is None else f.int("hidden_size_per_layer_input", 256, min=0),
-        vocab_size_per_layer_input=f.int("vocab_size_per_layer_input", 262_144, min=1),
+        vocab_size_per_layer_input=f.int("vocab_size_per_layer_input", 262_144, min=0),
         use_double_wide_mlp=f.bool("use_double_wide_mlp", False),
         final_logit_softcapping=f.float("final_logit_softcapping", None),
         rms_norm_eps=f.float("rms_norm_eps", 1e-6),
@@ -263,7 +263,7 @@ def _from_text_fields(f: HFFields) -> Gemma4TextConfig:
     )
 
 
-def _layer_types(f: HFFields, num_layers: int) -> tuple[str, ...]:
+def read_layer_types(f: HFFields, num_layers: int) -> tuple[str, ...]:
     if not f.has("layer_types"):
         types = [SLIDING if (i + 1) % _SLIDING_PATTERN else FULL for i in range(num_layers)]
     else:
@@ -278,7 +278,7 @@ def _layer_types(f: HFFields, num_layers: int) -> tuple[str, ...]:
     return (*types[:-1], FULL)
 
 
-def _per_type_heads(f: HFFields, layer_types: tuple[str, ...], k_eq_v: bool) -> dict[str, tuple[int, int]]:
+def read_per_type_heads(f: HFFields, layer_types: tuple[str, ...], k_eq_v: bool) -> dict[str, tuple[int, int]]:
     """(head_dim, num_kv_heads) per attention type, resolved per layer as transformers 5.23 does."""
     base = (f.int("head_dim", min=1), f.int("num_key_value_heads", min=1))
     overrides = _per_layer_overrides(f, layer_types, k_eq_v)
@@ -319,7 +319,7 @@ def _per_layer_overrides(f: HFFields, layer_types: tuple[str, ...], k_eq_v: bool
     return overrides
 
 
-def _rope_by_type(f: HFFields) -> dict[str, Gemma4RopeConfig]:
+def read_rope_by_type(f: HFFields) -> dict[str, Gemma4RopeConfig]:
     params = f.dict("rope_parameters", None) or _DEFAULT_ROPE
     rope = {}
     for layer_type in LAYER_TYPES:

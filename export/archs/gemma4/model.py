@@ -205,6 +205,9 @@ class Gemma4Target(nn.Module):
         model.load_state_dict(state, assign=True)
         return model.eval()
 
+    def pool_shapes(self) -> dict[str, tuple[int, int]]:
+        return pool_shapes(self.config)
+
     @property
     def last_sliding_kv_slot(self) -> int:
         """Slot of `kv_pool` with the last sliding owner layer's K/V (the Gemma 4 assistant reads it)."""

@@ -122,7 +122,7 @@ class Llama3Config:
             raise f.error("hidden_size", f"({hidden}) is not a multiple of num_attention_heads ({heads})",
                           "add an explicit \"head_dim\" or fix the sizes in config.json")
         max_positions = f.int("max_position_embeddings", min=1)
-        rope_theta, rope_scaling = _read_rope(f, default_original_max=max_positions)
+        rope_theta, rope_scaling = read_rope(f, default_original_max=max_positions)
         return cls(
             vocab_size=f.int("vocab_size", min=1),
             hidden_size=hidden,
@@ -177,7 +177,7 @@ class Llama3Config:
         return self.num_parameters() * dtype_bytes
 
 
-def _read_rope(f: HFFields, *, default_original_max: int) -> tuple[float, Llama3RopeScaling | None]:
+def read_rope(f: HFFields, *, default_original_max: int) -> tuple[float, Llama3RopeScaling | None]:
     """(rope_theta, scaling) from either the transformers-5 or the classic RoPE layout."""
     field = "rope_parameters" if f.has("rope_parameters") else "rope_scaling"
     top_theta = f.float("rope_theta", _DEFAULT_ROPE_THETA)

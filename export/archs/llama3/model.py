@@ -27,6 +27,7 @@ from export.archs.common import gather_pool, last_n_indices, rms_norm
 from export.archs.llama3.config import Llama3Config, Llama3RopeScaling, LlamaLayerConfig
 from export.archs.llama3.weights import adapt_llama3
 from plugins.paged_attention.reference import paged_attention
+from runtime import manifest as io
 from runtime.errors import ExportError
 
 if TYPE_CHECKING:
@@ -186,6 +187,10 @@ class Llama3Target(nn.Module):
             state = {k: t.to(dtype) for k, t in state.items()}
         model.load_state_dict(state, assign=True)
         return model.eval()
+
+    def pool_shapes(self) -> dict[str, tuple[int, int]]:
+        """(layers, width) of each pool this target reads: K then V of every kv head, per layer."""
+        return {io.KV_POOL: (self.config.num_hidden_layers, self.config.kv_width)}
 
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight

@@ -144,3 +144,11 @@ def test_nextn_rejects_mismatches() -> None:
     with pytest.raises(ConfigError, match="rope.factor"):
         other_rope = {**official()["rope_scaling"], "factor": 4}
         draft.check_target(DeepseekV3Config.from_hf({**official(), "rope_scaling": other_rope}))
+
+
+def test_equal_yarn_betas_are_accepted() -> None:
+    """Kimi-K2 style checkpoints set beta_fast == beta_slow == 1 (transformers accepts it)."""
+    rope = {"type": "yarn", "factor": 32, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    cfg = DeepseekV3Config.from_hf({**official(), "rope_scaling": rope})
+    assert (cfg.mla.rope.beta_fast, cfg.mla.rope.beta_slow) == (1.0, 1.0)

@@ -195,3 +195,8 @@ def test_bad_multimodal_config_names_the_field() -> None:
     broken["text_config"]["vocab_size"] = -1
     with pytest.raises(ConfigError, match=r"gemma4 config.json \(text_config\): field 'vocab_size' must be >= 1"):
         config_from_hf(broken)
+
+
+def test_per_layer_inputs_off_accepts_zero_vocab() -> None:
+    cfg = Gemma4TextConfig.from_hf({**defaults(), "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0})
+    assert (cfg.hidden_size_per_layer_input, cfg.vocab_size_per_layer_input) == (0, 0)
