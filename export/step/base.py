@@ -29,6 +29,7 @@ class UnifiedStep(nn.Module):
     """Base class: subclasses set `k`, `target_pool_names`, `draft_pool_names` and implement `step`."""
 
     k: int
+    target: nn.Module
     target_pool_names: tuple[str, ...]
     draft_pool_names: tuple[str, ...] = ()
     structured_output: bool = False
@@ -42,6 +43,14 @@ class UnifiedStep(nn.Module):
     def output_names(self) -> tuple[str, ...]:
         deltas = tuple(io.DELTA_OF_POOL[p] for p in self.target_pool_names + self.draft_pool_names)
         return LEADING_OUTPUTS + deltas
+
+    def pool_shapes(self) -> dict[str, tuple[int, int]]:
+        """(layers, width) of every pool input, target pools first."""
+        shapes = dict(self.target.pool_shapes())
+        drafter = getattr(self, "drafter", None)
+        if drafter is not None and self.draft_pool_names:
+            shapes.update(drafter.pool_shapes())
+        return shapes
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.step(dict(zip(self.input_names, inputs, strict=True)))

@@ -52,10 +52,22 @@ class SequentialDrafter(Protocol):
     def __call__(self, batch: DraftBatch, cache: tuple[torch.Tensor, ...]
                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]: ...
 
-    def logits(self, head_in: torch.Tensor) -> torch.Tensor: ...
+    def propose(self, head_in: torch.Tensor) -> torch.Tensor: ...
 
 
-class PagedDrafter(nn.Module):
+class Drafter(nn.Module):
+    """Base of every sequential drafter: argmax proposals in the target's vocabulary by default."""
+
+    pool_names: tuple[str, ...] = ()
+
+    def logits(self, head_in: torch.Tensor) -> torch.Tensor:          # [N, Hd] -> [N, V]
+        raise NotImplementedError
+
+    def propose(self, head_in: torch.Tensor) -> torch.Tensor:         # [N, Hd] -> [N] target token ids
+        return self.logits(head_in).argmax(-1)
+
+
+class PagedDrafter(Drafter):
     """Cache handling for a drafter with one pool of its own (`draft_kv_pool`, [NB, Ld, bs, Wd])."""
 
     pool_names: tuple[str, ...] = (io.DRAFT_KV_POOL,)
@@ -100,14 +112,14 @@ class SequentialStep(UnifiedStep):
         carry, head_in, draft_rows = drafter(batch, cache)
         cache = drafter.extend_cache(cache, draft_rows, rows_m, m.positions)
         carry, head_in = carry[last], head_in[last]                                     # [B, F], [B, Hd]
-        drafts = [drafter.logits(head_in).argmax(-1)]                                   # [B]
+        drafts = [drafter.propose(head_in)]                                             # [B]
         one_each = torch.arange(last.shape[0] + 1, device=last.device)                  # [B+1]
         for s in range(1, k):
             position = committed + (s - 1)                                              # [B]
             batch = DraftBatch(drafts[-1], carry, position, one_each, position, committed)
             carry, head_in, rows = drafter(batch, cache)
             cache = drafter.extend_cache(cache, rows, one_each[:-1], position)
-            drafts.append(drafter.logits(head_in).argmax(-1))
+            drafts.append(drafter.propose(head_in))
         return (verdict.num_accepted, verdict.next_tokens, torch.stack(drafts, dim=1),
                 *target_deltas, *draft_rows)
 

@@ -74,3 +74,6 @@ def shift(m: Merged, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
     ahead = m.tokens[(torch.arange(total, device=m.tokens.device) + 1).clamp(max=total - 1)]
     at_last = torch.arange(total, device=m.tokens.device) == last_accepted(m, num_accepted)[rows]
     return torch.where(at_last, following[rows], ahead)
+
+# Uniforms per verified position in the `noise` input (interim; export.spec defines the real count).
+NOISE_CHANNELS = 3

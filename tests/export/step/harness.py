@@ -75,3 +75,27 @@ def check_injected_drafts(spec: UnifiedStep, pools: Mapping[str, tuple[int, int]
         for g, b in zip(got, baseline):
             assert g.tokens == b.tokens[:12]
             assert all(a == j for a in g.accepted_per_step[:-1]), (j, g.accepted_per_step)
+
+
+def check_onnx_matches_torch(step: UnifiedStep, path, vocab: int, *, atol: float = 1e-4) -> None:
+    """Export with dynamic dims, run ONNX Runtime on a batch of another shape: same tokens, deltas close."""
+    import onnx
+    import onnxruntime as ort
+
+    from export.onnx_export import example_feeds, export_step
+
+    export_step(step, path, example_feeds(step, vocab=vocab))
+    model = onnx.load(str(path), load_external_data=False)
+    assert model.ir_version == 10 and any(o.domain == "" and o.version == 24 for o in model.opset_import)
+    assert [i.name for i in model.graph.input] == list(step.input_names)
+    feeds = example_feeds(step, lengths=(1, 5, 2, 3), cache_lengths=(7, 2, 0, 12), vocab=vocab, seed=1)
+    want = step.run(feeds)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(list(step.output_names), {n: feeds[n].numpy() for n in step.input_names})
+    for name, value in zip(step.output_names, got):
+        expected = want[name].numpy()
+        assert value.shape == expected.shape, name
+        if expected.dtype.kind in "iub":
+            assert np.array_equal(value, expected), name
+        else:
+            assert np.allclose(value, expected, atol=atol), (name, np.abs(value - expected).max())

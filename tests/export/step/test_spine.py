@@ -39,6 +39,9 @@ class UselessDrafter(PagedDrafter):
     def logits(self, head_in: torch.Tensor) -> torch.Tensor:
         return self.head(head_in)
 
+    def pool_shapes(self) -> dict[str, tuple[int, int]]:
+        return {"draft_kv_pool": POOLS["draft_kv_pool"]}
+
 
 def _steps(k: int) -> tuple[TargetOnlyStep, SequentialStep]:
     torch.manual_seed(0)
@@ -62,3 +65,8 @@ def test_io_names_follow_the_contract() -> None:
     assert "kv_pool" in spec.input_names and "draft_kv_pool" in spec.input_names
     assert spec.output_names == ("num_accepted", "next_tokens", "next_draft_tokens", "kv_delta", "draft_kv_delta")
     assert "draft_kv_pool" not in baseline.input_names
+
+
+def test_step_exports_and_onnxruntime_agrees(tmp_path) -> None:
+    _, spec = _steps(3)
+    harness.check_onnx_matches_torch(spec, tmp_path / "step.onnx", VOCAB)

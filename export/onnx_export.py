@@ -1,0 +1,89 @@
+"""Export a unified step module to ONNX (opset 24, IR 10) with the contract's dynamic dimensions.
+
+Dimension names: num_tokens (S), batch (B), batch + 1 (row_offsets), max_blocks, num_blocks; K, the pool
+geometry and the vocabulary are static per artifact. Example inputs always have B >= 2 and S >= 2 (a
+size-1 example silently freezes a dimension), a `-1` draft row, a chunked-prefill row and mixed sampling
+parameters, so no branch of the graph is specialised away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from export.step.base import UnifiedStep
+from export.step.spec_glue import NOISE_CHANNELS
+from runtime import manifest as io
+
+OPSET = 24
+
+
+def example_feeds(step: UnifiedStep, *, lengths: Sequence[int] = (2, 3, 4), cache_lengths: Sequence[int] = (5, 0, 9),
+                  block_size: int = 4, vocab: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Valid random inputs for one step: distinct shuffled blocks per row, drafts within `vocab`."""
+    g = torch.Generator().manual_seed(seed)
+    batch, k = len(lengths), step.k
+    max_blocks = -(-(max(c + n for c, n in zip(cache_lengths, lengths)) + 2 * k + 1) // block_size)
+    num_blocks = batch * max_blocks + 3
+    feeds = {
+        io.TOKENS: torch.randint(1, vocab, (sum(lengths),), generator=g),
+        io.ROW_OFFSETS: torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+        io.POSITIONS: torch.cat([torch.arange(c, c + n) for c, n in zip(cache_lengths, lengths)]),
+        io.CACHE_LENGTHS: torch.tensor(list(cache_lengths)),
+        io.BLOCK_TABLE: torch.randperm(num_blocks, generator=g)[: batch * max_blocks].reshape(batch, max_blocks),
+        io.DRAFT_TOKENS: torch.randint(1, vocab, (batch, k), generator=g),
+        io.CHUNK_NEXT_TOKENS: torch.full((batch,), -1),
+        io.TEMPERATURE: torch.zeros(batch),
+        io.TOP_K: torch.zeros(batch, dtype=torch.int64),
+        io.TOP_P: torch.ones(batch),
+        io.MIN_P: torch.zeros(batch),
+        io.NOISE: torch.rand(batch, k + 1, NOISE_CHANNELS, generator=g),
+        io.IN_THINKING_PHASE: torch.zeros(batch, dtype=torch.bool),
+    }
+    feeds[io.DRAFT_TOKENS][0] = -1                                   # a row without drafts (prefill)
+    feeds[io.CHUNK_NEXT_TOKENS][0] = 3                               # ... whose prompt continues next step
+    feeds[io.TEMPERATURE][-1], feeds[io.TOP_K][-1], feeds[io.TOP_P][-1] = 0.8, 5, 0.9
+    feeds[io.MIN_P][-1] = 0.05
+    feeds[io.IN_THINKING_PHASE][-1] = True
+    for name, (layers, width) in step.pool_shapes().items():
+        feeds[name] = torch.randn(num_blocks, layers, block_size, width, generator=g) * 0.5
+    if step.structured_output:
+        words = -(-vocab // 32)
+        feeds[io.TOKEN_BITMASK] = torch.full((batch, k + 1, words), -1, dtype=torch.int32)
+    return feeds
+
+
+def dynamic_shapes(names: Sequence[str]) -> tuple[tuple[dict[int, object], ...]]:
+    """torch.export dims per input, keyed by the contract's names."""
+    dim = torch.export.Dim
+    tokens, batch = dim("num_tokens", min=2), dim("batch", min=2)
+    max_blocks, num_blocks = dim("max_blocks", min=1), dim("num_blocks", min=2)
+    per_batch = {io.CACHE_LENGTHS, io.CHUNK_NEXT_TOKENS, io.TEMPERATURE, io.TOP_K, io.TOP_P, io.MIN_P,
+                 io.IN_THINKING_PHASE, io.DRAFT_TOKENS, io.NOISE, io.TOKEN_BITMASK}
+    shapes: list[dict[int, object]] = []
+    for name in names:
+        if name in (io.TOKENS, io.POSITIONS):
+            shapes.append({0: tokens})
+        elif name == io.ROW_OFFSETS:
+            shapes.append({0: batch + 1})
+        elif name == io.BLOCK_TABLE:
+            shapes.append({0: batch, 1: max_blocks})
+        elif name in per_batch:
+            shapes.append({0: batch})
+        else:                                                        # a KV pool
+            shapes.append({0: num_blocks})
+    return (tuple(shapes),)
+
+
+def export_step(step: UnifiedStep, path: str | Path, feeds: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write `step` as ONNX at `path` (weights inline for small models; artifacts use external data)."""
+    feeds = feeds or example_feeds(step)
+    names = list(step.input_names)
+    step.eval()
+    program = torch.onnx.export(step, tuple(feeds[n] for n in names), dynamo=True, opset_version=OPSET,
+                                input_names=names, output_names=list(step.output_names),
+                                dynamic_shapes=dynamic_shapes(names), verbose=False)
+    program.save(str(path))
+    return Path(path)
