@@ -1,0 +1,62 @@
+"""Host-side seeded noise: each request owns a generator; the graph receives the uniforms as `noise`.
+
+The step graph draws no random numbers (DESIGN.md §5). Every request has its own PCG64 stream, and
+each step takes one block of `[num_positions, channels]` float32 uniforms in [0, 1) from it, so the
+block a request gets at its t-th step depends only on its seed and t (the block size is fixed per
+artifact: K+1 positions, the manifest's noise channel count), never on which other requests share the
+batch or in which row the request sits. numpy only: the runtime's hot path does not import torch, and
+export's reference loop imports this leaf module too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from runtime.errors import UnispecError
+
+__all__ = ["RequestNoise", "batch_noise"]
+
+_SEED_MODULUS = 1 << 64
+
+
+class RequestNoise:
+    """One request's uniform stream. `seed=None` picks a fresh seed (kept in `.seed` for replay)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        if seed is None:
+            seed = int(np.random.SeedSequence().entropy % _SEED_MODULUS)
+        self.seed = int(seed) % _SEED_MODULUS   # negative seeds map onto the same 64-bit space
+        self.steps = 0
+        self._generator = np.random.Generator(np.random.PCG64(self.seed))
+
+    def next(self, num_positions: int, channels: int) -> np.ndarray:
+        """The next step's block: [num_positions, channels] float32 in [0, 1)."""
+        block = self._generator.random((num_positions, channels), dtype=np.float32)
+        self.steps += 1
+        return block
+
+
+def batch_noise(
+    streams: Sequence[RequestNoise | None],
+    num_positions: int,
+    channels: int,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """The `noise` input of one step: [B, num_positions, channels] float32, row b from `streams[b]`.
+
+    `None` marks a padding row (filled with zeros, its stream-less output is discarded). `out`, when
+    given, is a persistent buffer of at least B rows that is filled in place and returned (as a view).
+    """
+    shape = (len(streams), num_positions, channels)
+    if out is None:
+        out = np.empty(shape, dtype=np.float32)
+    else:
+        out = out[: len(streams)]
+        if out.shape != shape or out.dtype != np.float32:
+            raise UnispecError(f"noise buffer holds {out.shape} {out.dtype}; allocate it as "
+                               f"({len(streams)}+, {num_positions}, {channels}) float32")
+    for row, stream in enumerate(streams):
+        out[row] = 0.0 if stream is None else stream.next(num_positions, channels)
+    return out
