@@ -22,7 +22,7 @@ LEADING_OUTPUTS = (io.NUM_ACCEPTED, io.NEXT_TOKENS, io.NEXT_DRAFT_TOKENS)
 
 def target_pools(target: nn.Module) -> tuple[str, ...]:
     """Pool input names a target reads (its forward takes them in this order after block_table)."""
-    return tuple(getattr(target, "pool_names", (io.KV_POOL,)))
+    return tuple(target.pool_names)
 
 
 class UnifiedStep(nn.Module):

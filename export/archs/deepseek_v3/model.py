@@ -59,6 +59,8 @@ class DeepseekV3Block(nn.Module):
 class DeepseekV3Target(nn.Module):
     """The target step module; load weights with `load_state_dict(adapt_target(checkpoint, config))`."""
 
+    pool_names = (io.KV_POOL,)                      # the forward's pool inputs, in order
+
     def __init__(self, config: DeepseekV3Config, *, num_logits: int = 1, capture_layers: Sequence[int] = (),
                  absorb: bool = True) -> None:
         super().__init__()

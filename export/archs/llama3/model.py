@@ -156,6 +156,8 @@ class LlamaDecoderLayer(nn.Module):
 class Llama3Target(nn.Module):
     """The Llama 3 target step: see the module docstring for inputs and outputs."""
 
+    pool_names = (io.KV_POOL,)                      # the forward's pool inputs, in order
+
     def __init__(self, config: Llama3Config, *, num_logits: int = 1,
                  capture_layers: Sequence[int] = ()) -> None:
         super().__init__()
