@@ -22,6 +22,7 @@ import torch
 
 from export.paged import PagedPools
 from runtime import manifest as io
+from runtime.noise import RequestNoise
 
 # feeds -> outputs, both keyed by the contract's names (a torch module, an ORT session, ...).
 RunStep = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
@@ -38,6 +39,7 @@ class Request:
     top_p: float = 1.0
     min_p: float = 0.0
     thinking: bool = False
+    seed: int = 0                  # the request's own noise stream (DESIGN.md §5)
     arrival_step: int = 0          # joins the batch at this step (rows joining mid-batch)
     injected_drafts: Callable[[list[int]], list[int]] | None = None  # tests: override drafts from the history
 
@@ -70,8 +72,12 @@ class StepGeometry:
     prefill_chunk: int = 0                  # 0 = whole prompt in one step
 
 
-def generate(run_step: RunStep, geometry: StepGeometry, requests: Sequence[Request], noise: NoiseFn, *,
-             dtype: torch.dtype = torch.float32, seed: int = 0) -> list[Generation]:
+def generate(run_step: RunStep, geometry: StepGeometry, requests: Sequence[Request], noise: NoiseFn | None = None,
+             *, dtype: torch.dtype = torch.float32, seed: int = 0) -> list[Generation]:
+    """Run `requests` to completion; `noise` defaults to each request's own seeded stream."""
+    if noise is None:
+        streams = [RequestNoise(r.seed) for r in requests]
+        noise = lambda index, k: streams[index].next(k + 1, geometry.noise_channels)  # noqa: E731
     pools = PagedPools(geometry.pools, num_blocks=geometry.num_blocks, block_size=geometry.block_size,
                        dtype=dtype, seed=seed)
     waiting = [_Row(r, i) for i, r in enumerate(requests)]

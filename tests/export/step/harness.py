@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from export.generate import Generation, Request, StepGeometry, generate
+from export.generate import Generation, Request, StepGeometry, generate  # noqa: F401 (re-exported for tests)
 from export.step.base import UnifiedStep
 
 NEW_TOKENS = 64
