@@ -6,6 +6,13 @@ nothing else of `runtime` besides `runtime.errors`. Every name below is the exac
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import ArtifactError
+
 # --- inputs -------------------------------------------------------------------------------------------
 TOKENS = "tokens"                        # int64 [S]
 ROW_OFFSETS = "row_offsets"              # int64 [B+1]
@@ -37,3 +44,140 @@ DRAFT_KV_DELTA = "draft_kv_delta"        # [S + B*K, Ld, Wd]
 DELTA_OF_POOL = {KV_POOL: KV_DELTA, FULL_KV_POOL: FULL_KV_DELTA, DRAFT_KV_POOL: DRAFT_KV_DELTA}
 
 SAMPLING_INPUTS = (TEMPERATURE, TOP_K, TOP_P, MIN_P, NOISE, IN_THINKING_PHASE)
+
+
+# --- the manifest ----------------------------------------------------------------------------------------
+# `manifest.json` describes an artifact completely: the runtime reads nothing else (no model code).
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MODEL_NAME = "model.onnx"
+WEIGHTS_NAME = "model.onnx.data"
+DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSpec:
+    """One graph input or output: dims are ints (static) or names (dynamic: num_tokens, batch, ...)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ArtifactError(f"manifest: tensor '{self.name}' has dtype {self.dtype!r}; expected one of {DTYPES}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolSpec:
+    """A paged KV pool input [num_blocks, num_layers, block_size, width] and the delta output committed into it."""
+
+    name: str
+    delta: str
+    num_layers: int
+    width: int
+    dtype: str
+
+    def bytes_per_token(self) -> int:
+        return self.num_layers * self.width * _DTYPE_BYTES[self.dtype]
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerInfo:
+    files: tuple[str, ...] = ()              # copied next to the model (tokenizer.json, tokenizer_config.json ...)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    think_start_id: int | None = None        # thinking-phase tracking (relaxed acceptance), when known
+    think_end_id: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    format_version: int = FORMAT_VERSION
+    method: str                              # none | mtp | nextn | eagle3 | eagle3-mha | dflash | gemma4-mtp
+    num_speculative_tokens: int              # K (0 for `none`)
+    target_arch: str
+    draft_arch: str | None = None
+    vocab_size: int
+    dtype: str                               # weights / activations
+    block_size: int
+    max_model_len: int                       # longest sequence a request may reach
+    max_batch_size: int                      # rows per step (TensorRT profiles; runtime scheduler bound)
+    max_tokens_per_step: int                 # S bound (prefill chunk budget; TensorRT profiles)
+    noise_channels: int
+    structured_output: bool = False          # graph has `token_bitmask`
+    pools: tuple[PoolSpec, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    ops: tuple[str, ...] = ()                # unispec custom ops in the graph
+    model_file: str = MODEL_NAME
+    weights_file: str | None = WEIGHTS_NAME
+    tokenizer: TokenizerInfo = field(default_factory=TokenizerInfo)
+    exporter: dict[str, str] = field(default_factory=dict)   # package -> version
+    engine: dict[str, Any] | None = None     # written by `unispec build` (issue 8)
+
+    def __post_init__(self) -> None:
+        if self.format_version != FORMAT_VERSION:
+            raise ArtifactError(f"manifest: format_version {self.format_version} is not {FORMAT_VERSION}; "
+                                "re-export the artifact with this unispec version")
+        names = {t.name for t in self.inputs}
+        missing = [p.name for p in self.pools if p.name not in names]
+        if missing:
+            raise ArtifactError(f"manifest: pools {missing} are not graph inputs; the artifact is damaged, re-export it")
+
+    @property
+    def max_blocks_per_row(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token occupies across every pool (target + draft): the unit of pool sizing."""
+        return sum(p.bytes_per_token() for p in self.pools)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def write(self, directory: str | Path) -> Path:
+        path = Path(directory) / MANIFEST_NAME
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        try:
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(d) - known)
+            if unknown:
+                raise ArtifactError(f"manifest: unknown fields {unknown}; the artifact was written by a newer "
+                                    "unispec, upgrade or re-export")
+            d = dict(d)
+            d["pools"] = tuple(PoolSpec(**p) for p in d["pools"])
+            d["inputs"] = tuple(TensorSpec(name=t["name"], dtype=t["dtype"], shape=tuple(t["shape"]))
+                                for t in d["inputs"])
+            d["outputs"] = tuple(TensorSpec(name=t["name"], dtype=t["dtype"], shape=tuple(t["shape"]))
+                                 for t in d["outputs"])
+            d["ops"] = tuple(d.get("ops", ()))
+            tok = dict(d.get("tokenizer") or {})
+            tok["files"], tok["eos_token_ids"] = tuple(tok.get("files", ())), tuple(tok.get("eos_token_ids", ()))
+            d["tokenizer"] = TokenizerInfo(**tok)
+            return cls(**d)
+        except (KeyError, TypeError) as exc:
+            raise ArtifactError(f"manifest: missing or malformed field ({exc}); the artifact is damaged, "
+                                "re-export it") from None
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Manifest:
+        """Read and validate `manifest.json` of an artifact directory (one-line ArtifactError otherwise)."""
+        path = Path(directory) / MANIFEST_NAME
+        if not path.is_file():
+            raise ArtifactError(f"{directory}: no {MANIFEST_NAME}; not a unispec artifact (run `unispec export`)")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ArtifactError(f"{path}: not valid JSON ({exc.msg}); the artifact is damaged, re-export it") from None
+        if not isinstance(d, dict):
+            raise ArtifactError(f"{path}: must hold a JSON object; the artifact is damaged, re-export it")
+        return cls.from_dict(d)
