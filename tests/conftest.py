@@ -28,3 +28,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, reason in skips.items():
             if reason and marker in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Test models are tiny: threads buy nothing and two processes on two cores oversubscribe them badly.
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)

@@ -134,7 +134,8 @@ def write_eagle3_mla(target_config: Config, target_tensors: StateDict, out: Path
 
 
 DFLASH_LAYERS, DFLASH_BLOCK = 2, 4
-DFLASH_TAPS = [0, L - 1]            # OUTPUT ids of the target layers fc reads
+DFLASH_TAPS = [0, L - 2]            # OUTPUT ids of the target layers fc reads; not L-1, whose
+                                    # "output" differs between conventions (pre- vs post-final-norm)
 DFLASH_MASK_ID = V - 1              # a reserved id at the top of the vocabulary, as real mask tokens are
 
 
