@@ -43,7 +43,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method(name="eagle3", targets=("deepseek_v3", "llama3"), draft="eagle3",
            builder="export.archs.eagle3.model:build_eagle3_step"),
     Method(name="eagle3-mha", targets=("deepseek_v3", "llama3"), draft="eagle3",
-           builder="export.archs.eagle3.model:build_eagle3_step"),
+           builder="export.archs.eagle3.model:build_eagle3_mha_step"),
     Method(name="dflash", targets=("llama3",), draft="dflash", builder="export.archs.dflash.model:build_dflash_step"),
     Method(name="gemma4-mtp", targets=("gemma4",), draft="gemma4_assistant",
            builder="export.archs.gemma4_assistant.model:build_gemma4_mtp_step"),
