@@ -52,3 +52,11 @@ def test_bad_combinations_fail_in_one_line(tiny, method: str, family: str, draft
 def test_a_draft_checkpoint_is_not_a_target(tiny) -> None:
     with pytest.raises(ConfigError, match="draft checkpoint"):
         load_target(tiny["llama3"]["draft"])
+
+
+@pytest.mark.parametrize("family", ["llama3", "deepseek-v3", "gemma4"])
+def test_loaded_targets_hold_no_meta_tensors(tiny, family: str) -> None:
+    """from_checkpoint builds on the meta device; every parameter and buffer must be real afterwards."""
+    target = load_target(tiny[family]["target"], num_logits=2)
+    tensors = [*target.parameters(), *target.buffers()]
+    assert tensors and not any(t.is_meta for t in tensors)

@@ -67,7 +67,11 @@ class DeepseekRope(nn.Module):
 
     def __init__(self, rope: RopeConfig, dim: int) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(rope, dim), persistent=False)   # [dim/2]
+        # Computed on the CPU even when the model is built on the meta device (from_checkpoint): a
+        # non-persistent buffer is never loaded, so it must be real from the start.
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(rope, dim)                                         # [dim/2]
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.factor = rope.cos_sin_factor
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
