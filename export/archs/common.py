@@ -7,10 +7,11 @@ Conventions (DESIGN.md §3): `tokens`/`positions` are [S] (all rows concatenated
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from plugins.paged_attention.reference import row_ids_of
 
-__all__ = ["gather_pool", "last_n_indices", "rms_norm", "row_ids_of", "scatter_rows"]
+__all__ = ["RMSNorm", "gather_pool", "last_n_indices", "rms_norm", "row_ids_of", "scatter_rows"]
 
 
 def gather_pool(kv_pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -57,3 +58,15 @@ def scatter_rows(past: torch.Tensor, rows: torch.Tensor, row_ids: torch.Tensor,
     index = (row_ids * slots + positions)[None, :, None].expand(num_layers, -1, width)
     flat = flat.scatter(1, index, rows.permute(1, 0, 2).to(past.dtype))           # [L, B*P, W]
     return flat.reshape(num_layers, batch, slots, width)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose checkpoint stores the scale itself (Llama, DeepSeek, Gemma 4; not Gemma 1-3's 1 + w)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)

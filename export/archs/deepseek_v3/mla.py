@@ -25,19 +25,9 @@ import math
 import torch
 from torch import nn
 
-from export.archs.common import rms_norm
+from export.archs.common import RMSNorm
 from export.archs.deepseek_v3.config import LATENT_NORM_EPS, MLAConfig, RopeConfig
 from plugins.paged_attention.reference import paged_attention
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:

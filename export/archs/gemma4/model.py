@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from export.archs.common import gather_pool, last_n_indices, rms_norm
+from export.archs.common import RMSNorm, gather_pool, last_n_indices
 from export.archs.gemma4.config import FULL, LAYER_TYPES, SLIDING, Gemma4RopeConfig, Gemma4TextConfig
 from export.archs.gemma4.weights import adapt_gemma4
 from plugins.paged_attention.reference import paged_attention
@@ -67,18 +67,6 @@ def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class _Norm(nn.Module):
-    """Gemma 4 RMSNorm: the checkpoint stores the scale itself (no `1 + weight`)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
 class Gemma4Attention(nn.Module):
     def __init__(self, cfg: Gemma4TextConfig, layer: int) -> None:
         super().__init__()
@@ -88,12 +76,12 @@ class Gemma4Attention(nn.Module):
         self.sliding_window, self.eps = att.sliding_window, cfg.rms_norm_eps
         h, q_width, kv_width = cfg.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(h, q_width, bias=False)
-        self.q_norm = _Norm(self.head_dim, self.eps)
+        self.q_norm = RMSNorm(self.head_dim, self.eps)
         self.o_proj = nn.Linear(q_width, h, bias=False)
         self.owns_kv = cfg.owns_kv(layer)
         if self.owns_kv:
             self.k_proj = nn.Linear(h, kv_width, bias=False)
-            self.k_norm = _Norm(self.head_dim, self.eps)
+            self.k_norm = RMSNorm(self.head_dim, self.eps)
             k_eq_v = cfg.attention_k_eq_v and layer_type == FULL
             self.v_proj = None if k_eq_v else nn.Linear(h, kv_width, bias=False)
 
@@ -132,8 +120,8 @@ class Gemma4DecoderLayer(nn.Module):
     def __init__(self, cfg: Gemma4TextConfig, layer: int) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm, self.post_attention_layernorm = _Norm(h, eps), _Norm(h, eps)
-        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = _Norm(h, eps), _Norm(h, eps)
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = RMSNorm(h, eps), RMSNorm(h, eps)
         self.self_attn = Gemma4Attention(cfg, layer)
         self.mlp = Gemma4MLP(h, cfg.mlp_size(layer), cfg.hidden_activation)
         self.register_buffer("layer_scalar", torch.ones(1))
@@ -141,7 +129,7 @@ class Gemma4DecoderLayer(nn.Module):
         if self.ple:
             self.per_layer_input_gate = nn.Linear(h, self.ple, bias=False)
             self.per_layer_projection = nn.Linear(self.ple, h, bias=False)
-            self.post_per_layer_input_norm = _Norm(h, eps)
+            self.post_per_layer_input_norm = RMSNorm(h, eps)
         self.approximate = self.mlp.approximate
 
     def forward(self, x: torch.Tensor, per_layer_input: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
@@ -185,9 +173,9 @@ class Gemma4Target(nn.Module):
         if ple:
             self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, n * ple)
             self.per_layer_model_projection = nn.Linear(h, n * ple, bias=False)
-            self.per_layer_projection_norm = _Norm(ple, cfg.rms_norm_eps)
+            self.per_layer_projection_norm = RMSNorm(ple, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(Gemma4DecoderLayer(cfg, i) for i in range(n))
-        self.norm = _Norm(h, cfg.rms_norm_eps)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
         # Plain attributes, not buffers: `.to(bfloat16)` must not round the frequencies.

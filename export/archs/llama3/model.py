@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from export.archs.common import gather_pool, last_n_indices, rms_norm
+from export.archs.common import RMSNorm, gather_pool, last_n_indices
 from export.archs.llama3.config import Llama3Config, Llama3RopeScaling, LlamaLayerConfig
 from export.archs.llama3.weights import adapt_llama3
 from plugins.paged_attention.reference import paged_attention
@@ -70,16 +70,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)                       # [S, heads, D]
     return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
