@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+import plugins
 from export.step.base import UnifiedStep
 from export.step.spec_glue import NOISE_CHANNELS
 from runtime import manifest as io
@@ -78,12 +79,18 @@ def dynamic_shapes(names: Sequence[str]) -> tuple[tuple[dict[int, object], ...]]
 
 
 def export_step(step: UnifiedStep, path: str | Path, feeds: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write `step` as ONNX at `path` (weights inline for small models; artifacts use external data)."""
+    """Write `step` as ONNX at `path` (weights inline for small models; artifacts use external data).
+
+    Custom ops (plugins/) become single `unispec` nodes; their reference functions are attached after the
+    export, because the exporter inlines every function it is given (DESIGN.md §4).
+    """
     feeds = feeds or example_feeds(step)
     names = list(step.input_names)
     step.eval()
     program = torch.onnx.export(step, tuple(feeds[n] for n in names), dynamo=True, opset_version=OPSET,
                                 input_names=names, output_names=list(step.output_names),
-                                dynamic_shapes=dynamic_shapes(names), verbose=False)
+                                dynamic_shapes=dynamic_shapes(names), verbose=False,
+                                custom_translation_table=plugins.custom_translation_table())
+    plugins.attach_functions_ir(program.model)
     program.save(str(path))
     return Path(path)

@@ -1,14 +1,8 @@
 """DeepSeek-V3 feed-forward: dense SiLU MLP, and the MoE with group-limited sigmoid routing.
 
-Routing (DeepSeek-V3 `noaux_tc`, as in transformers' `DeepseekV3TopkRouter`):
-  scores  = sigmoid(x W_gate^T)                                   [S, E]
-  biased  = scores + e_score_correction_bias                      (selection only)
-  group score = sum of the top-2 biased scores of each of n_group groups; keep the topk_group best groups
-  chosen  = top-k biased scores among the kept groups' experts
-  weights = scores of the chosen experts (unbiased), / their sum if norm_topk_prob, * routed_scaling_factor
-The result is a dense [S, E] routing matrix (zero for unchosen experts), and every expert runs on every
-token: no data-dependent control flow, so it exports as is. Fine for tiny models; a custom MoE op replaces
-the dense expert compute for real ones.
+The routing and the routed experts' math live once, in the MoE plugin's torch reference
+(plugins/moe/reference.py, with the derivation); this module holds the checkpoint-shaped modules around it.
+Every expert runs on every token (dense): fine for tiny models; the `unispec::moe` op replaces it for real ones.
 """
 
 from __future__ import annotations
@@ -18,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from export.archs.deepseek_v3.config import MoEConfig
+from plugins.moe import reference as moe_math
 
 
 class SiluMLP(nn.Module):
@@ -33,22 +28,15 @@ class SiluMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def routing_attributes(cfg: MoEConfig) -> dict[str, int | float | bool]:
+    """The routing hyper-parameters as the MoE op's keyword attributes."""
+    return {"num_experts_per_tok": cfg.num_experts_per_tok, "n_group": cfg.n_group, "topk_group": cfg.topk_group,
+            "norm_topk_prob": cfg.norm_topk_prob, "routed_scaling_factor": cfg.routed_scaling_factor}
+
+
 def route(logits: torch.Tensor, bias: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     """Router logits [S, E] -> routing weights [S, E], non-zero for the num_experts_per_tok chosen experts."""
-    scores = logits.float().sigmoid()                                                  # [S, E]
-    biased = scores + bias.float()
-    grouped = biased.unflatten(-1, (cfg.n_group, cfg.experts_per_group))              # [S, G, E/G]
-    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)                          # [S, G]
-    kept_groups = group_scores.topk(cfg.topk_group, dim=-1).indices                    # [S, topk_group]
-    group_mask = torch.zeros_like(group_scores).scatter(1, kept_groups, 1.0)           # [S, G]
-    expert_mask = group_mask[:, :, None].expand(-1, -1, cfg.experts_per_group).flatten(1)  # [S, E]
-    candidates = biased.masked_fill(expert_mask == 0, float("-inf"))
-    chosen = candidates.topk(cfg.num_experts_per_tok, dim=-1).indices                  # [S, k]
-    selected = torch.zeros_like(scores).scatter(1, chosen, 1.0)                        # [S, E] one-hot rows
-    weights = scores * selected
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor
+    return moe_math.route(logits, bias, **routing_attributes(cfg))
 
 
 class Router(nn.Module):
@@ -77,10 +65,7 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [S, H], weights [S, E] -> sum_e weights[s, e] * expert_e(x[s]) [S, H]."""
-        gate = torch.einsum("sh,eih->sei", x, self.gate_proj)                           # [S, E, I]
-        up = torch.einsum("sh,eih->sei", x, self.up_proj)
-        out = torch.einsum("sei,ehi->seh", F.silu(gate) * up, self.down_proj)          # [S, E, H]
-        return torch.einsum("seh,se->sh", out, weights.to(out.dtype))
+        return moe_math.experts(x, weights, self.gate_proj, self.up_proj, self.down_proj)
 
 
 class DeepseekMoE(nn.Module):

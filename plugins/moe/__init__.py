@@ -1,0 +1,1 @@
+"""MoE: DeepSeek-V3 routed experts (group-limited sigmoid routing + SiLU experts); shared experts stay outside."""

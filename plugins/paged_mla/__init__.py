@@ -1,0 +1,1 @@
+"""PagedMLA: absorbed multi-head latent attention (MQA over a latent paged cache), FlashMLA-style decode core."""

@@ -1,0 +1,61 @@
+"""SpecAccept in ONNX: the translation to one two-output `unispec::SpecAccept` node, and its plugin spec.
+
+The grammar bitmask is an optional last input: a graph without structured output emits the node without
+it, and its reference function (another overload) has no bitmask input.
+"""
+
+# No `from __future__ import annotations`: onnxscript reads the translation's annotations as objects.
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from onnxscript import BOOL, FLOAT, INT32, INT64, script
+
+from plugins.onnx_common import DOMAIN, FLOAT_TYPES, PLUGIN_VERSION, PluginSpec, Port, TFloat, unispec
+from plugins.spec_accept import op, reference  # noqa: F401  (op registers the custom op)
+
+
+@script(unispec)
+def spec_accept_onnx(logits: TFloat, draft_tokens: INT64, temperature: FLOAT, top_k: INT64, top_p: FLOAT,
+                     min_p: FLOAT, noise: FLOAT, in_thinking_phase: BOOL,
+                     token_bitmask: Optional[INT32] = None,  # noqa: UP045
+                     relaxed_top_n: int = 0, relaxed_delta: float = 0.0) -> tuple[INT64, INT64]:
+    # The op's attributes have no defaults, so torch.export always passes them; these (relaxed off) are
+    # only there because onnxscript has no keyword-only parameters. The tuple target makes two outputs
+    # (`_outputs=2` would become a node attribute in a script function).
+    num_accepted, next_tokens = unispec.SpecAccept(
+        logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase, token_bitmask,
+        relaxed_top_n=relaxed_top_n, relaxed_delta=relaxed_delta, plugin_namespace=DOMAIN,
+        plugin_version=PLUGIN_VERSION)
+    return num_accepted, next_tokens
+
+
+def example_inputs(attributes: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    """2 rows, K = 4 drafts, a 230-token vocabulary (8 bitmask words), 3 noise channels; mixed parameters."""
+    g = torch.Generator().manual_seed(0)
+    batch, k, vocab, channels = 2, 4, 230, 3
+    logits = torch.randn(batch, k + 1, vocab, generator=g)
+    drafts = logits[:, :k].argmax(-1)
+    drafts[0, 2:] = -1
+    return (logits, drafts, torch.tensor([0.0, 0.8]), torch.tensor([0, 20]), torch.tensor([1.0, 0.9]),
+            torch.tensor([0.0, 0.05]), torch.rand(batch, k + 1, channels, generator=g), torch.tensor([False, True]),
+            torch.full((batch, k + 1, -(-vocab // 32)), -1, dtype=torch.int32))
+
+
+SPEC = PluginSpec(
+    op_type="SpecAccept",
+    custom_op=torch.ops.unispec.spec_accept.default,
+    translation=spec_accept_onnx,
+    reference=reference.spec_accept,
+    inputs=(Port(name="logits", type="T", rank=3), Port(name="draft_tokens", type="tensor(int64)", rank=2),
+            Port(name="temperature", type="tensor(float)", rank=1), Port(name="top_k", type="tensor(int64)", rank=1),
+            Port(name="top_p", type="tensor(float)", rank=1), Port(name="min_p", type="tensor(float)", rank=1),
+            Port(name="noise", type="tensor(float)", rank=3),
+            Port(name="in_thinking_phase", type="tensor(bool)", rank=1),
+            Port(name="token_bitmask", type="tensor(int32)", rank=3, optional=True)),
+    outputs=(Port(name="num_accepted", type="tensor(int64)", rank=1),
+             Port(name="next_tokens", type="tensor(int64)", rank=1)),
+    type_constraints={"T": FLOAT_TYPES},
+    example_inputs=example_inputs,
+    doc="Speculative verdict per row: truncation, greedy / sample-and-match / relaxed acceptance, grammar bitmask.",
+)

@@ -1,0 +1,33 @@
+"""`unispec::spec_accept`: the SpecAccept custom op; its eager body is the registered reference (reference.py)."""
+
+from typing import Optional
+
+import torch
+
+from plugins.spec_accept import reference
+
+
+@torch.library.custom_op("unispec::spec_accept", mutates_args=())
+def spec_accept(
+    logits: torch.Tensor,             # [B, K+1, V]
+    draft_tokens: torch.Tensor,       # [B, K] int64
+    temperature: torch.Tensor,        # [B]
+    top_k: torch.Tensor,              # [B] int64
+    top_p: torch.Tensor,              # [B]
+    min_p: torch.Tensor,              # [B]
+    noise: torch.Tensor,              # [B, K+1, C]
+    in_thinking_phase: torch.Tensor,  # [B] bool
+    token_bitmask: Optional[torch.Tensor] = None,  # [B, K+1, W] int32  # noqa: UP045 (custom_op parses it)
+    *,
+    relaxed_top_n: int,
+    relaxed_delta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B], next_tokens [B]
+    return reference.spec_accept(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase,
+                                 token_bitmask, relaxed_top_n=relaxed_top_n, relaxed_delta=relaxed_delta)
+
+
+@spec_accept.register_fake
+def _(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase, token_bitmask=None, *,
+      relaxed_top_n, relaxed_delta):
+    batch = logits.shape[0]
+    return logits.new_empty(batch, dtype=torch.int64), logits.new_empty(batch, dtype=torch.int64)

@@ -1,0 +1,96 @@
+"""SpecAccept: the custom op runs export.spec.verify (registered, the math exists once), and the exported
+two-output `unispec::SpecAccept` node runs in ONNX Runtime with the same tokens, with and without the
+optional grammar bitmask (two overloads: the functions differ in their inputs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from export.spec import NOISE_CHANNELS, RELAXED_DELTA, RELAXED_TOP_N, pack_bitmask, verify
+from plugins.spec_accept import reference
+from plugins.spec_accept.op import spec_accept
+from tests.plugins.harness import (
+    assert_ort_matches,
+    assert_plugin_graph,
+    attributes,
+    export_with_plugins,
+    session,
+    unispec_nodes,
+)
+
+RELAXED = dict(relaxed_top_n=RELAXED_TOP_N, relaxed_delta=RELAXED_DELTA)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    reference.register_reference(verify)   # what export/step/spec_glue.py does on import
+
+
+def accept_inputs(seed: int, rows: int, k: int, vocab: int) -> dict[str, torch.Tensor]:
+    """Half the rows greedy, drafts mostly the argmax (prefixes get accepted), a -1 row, thinking rows."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 3, (rows, k + 1, vocab), generator=g).float() + torch.rand(rows, k + 1, vocab,
+                                                                                             generator=g)
+    drafts = torch.where(torch.rand(rows, k, generator=g) < 0.8, logits[:, :k].argmax(-1),
+                         torch.randint(0, vocab, (rows, k), generator=g))
+    drafts[0] = -1
+    greedy = torch.arange(rows) % 2 == 0
+    return {
+        "logits": logits, "draft_tokens": drafts,
+        "temperature": torch.where(greedy, 0.0, 0.9), "top_k": torch.where(greedy, 0, 7),
+        "top_p": torch.where(greedy, 1.0, 0.95), "min_p": torch.where(greedy, 0.0, 0.02),
+        "noise": torch.rand(rows, k + 1, NOISE_CHANNELS, generator=g),
+        "in_thinking_phase": torch.rand(rows, generator=g) < 0.5,
+        "token_bitmask": pack_bitmask(torch.rand(rows, k + 1, vocab, generator=g) < 0.8),
+    }
+
+
+SMALL = accept_inputs(0, rows=3, k=2, vocab=40)
+LARGE = accept_inputs(1, rows=6, k=5, vocab=300)
+
+
+@pytest.mark.parametrize("inputs", [SMALL, LARGE], ids=["small", "large"])
+def test_eager_op_is_verify(inputs) -> None:
+    args = list(inputs.values())
+    for with_mask in (True, False):
+        got = spec_accept(*args[:8], args[8] if with_mask else None, **RELAXED)
+        want = verify(*args[:8], args[8] if with_mask else None, **RELAXED)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    other = spec_accept(*args, relaxed_top_n=1, relaxed_delta=0.0)   # attributes reach verify
+    assert all(torch.equal(a, b) for a, b in zip(other, verify(*args, relaxed_top_n=1, relaxed_delta=0.0)))
+
+
+class Verdicts(torch.nn.Module):
+    """Structured and unstructured verdicts side by side."""
+
+    def forward(self, logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase,
+                token_bitmask):
+        args = (logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase)
+        structured = spec_accept(*args, token_bitmask, **RELAXED)
+        free = spec_accept(*args, **RELAXED)
+        return (*structured, *free)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec_accept") / "verdicts.onnx"
+    return export_with_plugins(Verdicts(), SMALL, path), path
+
+
+def test_graph_holds_two_overloads_with_and_without_bitmask(exported) -> None:
+    model, _ = exported
+    assert_plugin_graph(model, "SpecAccept", num_nodes=2, num_functions=2)
+    structured, free = unispec_nodes(model)
+    assert (len(structured.input), len(free.input)) == (9, 8) and len(structured.output) == 2
+    assert attributes(free)["relaxed_top_n"] == RELAXED_TOP_N
+    assert attributes(free)["relaxed_delta"] == pytest.approx(RELAXED_DELTA)
+    functions = {f.overload: f for f in model.functions}
+    assert (len(functions[structured.overload].input), len(functions[free.overload].input)) == (9, 8)
+
+
+@pytest.mark.parametrize("inputs", [SMALL, LARGE], ids=["small", "large"])
+def test_onnx_runtime_gives_the_same_tokens(exported, inputs) -> None:
+    _, path = exported
+    got = assert_ort_matches(session(path), Verdicts(), inputs)
+    assert (got[0] > 0).any(), "some drafts are accepted, so the comparison covers accepted prefixes"
