@@ -78,19 +78,25 @@ def dynamic_shapes(names: Sequence[str]) -> tuple[tuple[dict[int, object], ...]]
     return (tuple(shapes),)
 
 
-def export_step(step: UnifiedStep, path: str | Path, feeds: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write `step` as ONNX at `path` (weights inline for small models; artifacts use external data).
+def export_module(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: str | Path, *,
+                  input_names: Sequence[str], output_names: Sequence[str], dynamic_shapes: object) -> Path:
+    """Export any module that may call unispec custom ops (opset 24, IR 10) and save it at `path`.
 
     Custom ops (plugins/) become single `unispec` nodes; their reference functions are attached after the
     export, because the exporter inlines every function it is given (DESIGN.md §4).
     """
-    feeds = feeds or example_feeds(step)
-    names = list(step.input_names)
-    step.eval()
-    program = torch.onnx.export(step, tuple(feeds[n] for n in names), dynamo=True, opset_version=OPSET,
-                                input_names=names, output_names=list(step.output_names),
-                                dynamic_shapes=dynamic_shapes(names), verbose=False,
+    program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=OPSET,
+                                input_names=list(input_names), output_names=list(output_names),
+                                dynamic_shapes=dynamic_shapes, verbose=False,
                                 custom_translation_table=plugins.custom_translation_table())
     plugins.attach_functions_ir(program.model)
     program.save(str(path))
     return Path(path)
+
+
+def export_step(step: UnifiedStep, path: str | Path, feeds: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write `step` as ONNX at `path` with the contract's names and dynamic dimensions."""
+    feeds = feeds or example_feeds(step)
+    names = list(step.input_names)
+    return export_module(step, tuple(feeds[n] for n in names), path, input_names=names,
+                         output_names=step.output_names, dynamic_shapes=dynamic_shapes(names))

@@ -11,7 +11,12 @@ from typing import NamedTuple
 import torch
 
 from export import spec
+from plugins.spec_accept import reference as spec_accept_reference
+from plugins.spec_accept.op import spec_accept
 from runtime import manifest as io
+
+# The SpecAccept plugin's math is export.spec.verify: the plugin cannot import export, so it is handed over.
+spec_accept_reference.register_reference(spec.verify)
 
 NOISE_CHANNELS = spec.NOISE_CHANNELS    # uniforms per verified position in the `noise` input
 
@@ -37,9 +42,10 @@ def merge(tokens: torch.Tensor, row_offsets: torch.Tensor, positions: torch.Tens
 
 def verify(logits: torch.Tensor, f: Mapping[str, torch.Tensor], *, structured: bool) -> Verdict:
     """logits [B, K+1, V] of the verified positions -> accepted count and next token per row."""
-    num_accepted, next_tokens = spec.verify(
+    num_accepted, next_tokens = spec_accept(
         logits, f[io.DRAFT_TOKENS], f[io.TEMPERATURE], f[io.TOP_K], f[io.TOP_P], f[io.MIN_P], f[io.NOISE],
-        f[io.IN_THINKING_PHASE], f[io.TOKEN_BITMASK] if structured else None)
+        f[io.IN_THINKING_PHASE], f[io.TOKEN_BITMASK] if structured else None,
+        relaxed_top_n=spec.RELAXED_TOP_N, relaxed_delta=spec.RELAXED_DELTA)
     return Verdict(num_accepted, next_tokens)
 
 

@@ -27,7 +27,8 @@ from torch import nn
 
 from export.archs.common import RMSNorm
 from export.archs.deepseek_v3.config import LATENT_NORM_EPS, MLAConfig, RopeConfig
-from plugins.paged_attention.reference import paged_attention
+from plugins.paged_attention.op import paged_attention
+from plugins.paged_mla.op import paged_mla
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
@@ -139,9 +140,9 @@ class MultiLatentAttention(nn.Module):
         w_uk, w_uv = self._up_weights()                                                 # [n, dn, r], [n, dv, r]
         q_latent = torch.einsum("snd,ndr->snr", q_nope, w_uk)                           # [S, n, r]
         q = torch.cat([q_latent, q_pe], dim=-1)                                         # [S, n, W]
-        # One key "head" shared by all query heads (GQA with a group of n): k = [c_kv, k_pe], v = c_kv.
-        out_latent = paged_attention(q, kv_new[:, None], kv_new[:, None, :r], past[:, :, None], past[:, :, None, :r],
-                                     row_offsets, positions, cache_lengths, scale=self.cfg.softmax_scale)  # [S, n, r]
+        # One key "head" shared by all query heads: k = [c_kv, k_pe], v = c_kv (the PagedMLA plugin).
+        out_latent = paged_mla(q, kv_new, past, row_offsets, positions, cache_lengths,
+                               scale=self.cfg.softmax_scale, kv_lora_rank=r)                  # [S, n, r]
         return torch.einsum("snr,nvr->snv", out_latent, w_uv)                           # [S, n, dv]
 
     def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from torch import nn
 
 from export.archs.deepseek_v3.config import MoEConfig
 from plugins.moe import reference as moe_math
+from plugins.moe.op import moe
 
 
 class SiluMLP(nn.Module):
@@ -79,5 +80,7 @@ class DeepseekMoE(nn.Module):
                                if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, H]
-        out = self.experts(x, self.gate(x))
+        experts = self.experts
+        out = moe(x, self.gate.weight, self.gate.e_score_correction_bias, experts.gate_proj, experts.up_proj,
+                  experts.down_proj, **routing_attributes(self.gate.cfg))                   # [S, H] (MoE plugin)
         return out if self.shared_experts is None else out + self.shared_experts(x)

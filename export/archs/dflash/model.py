@@ -39,7 +39,7 @@ from export.archs.llama3.model import (
 )
 from export.step.block import BlockStep
 from export.step.sequential import PagedDrafter
-from plugins.paged_attention.reference import paged_attention
+from plugins.paged_attention.op import paged_attention
 from runtime import manifest as io
 from runtime.errors import ExportError
 

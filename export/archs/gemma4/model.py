@@ -26,7 +26,7 @@ from torch import nn
 from export.archs.common import RMSNorm, gather_pool, last_n_indices
 from export.archs.gemma4.config import FULL, LAYER_TYPES, SLIDING, Gemma4RopeConfig, Gemma4TextConfig
 from export.archs.gemma4.weights import adapt_gemma4
-from plugins.paged_attention.reference import paged_attention
+from plugins.paged_attention.op import paged_attention
 from runtime import manifest as io
 from runtime.errors import ExportError
 

@@ -47,7 +47,7 @@ from export.archs.gemma4.model import POOL_NAMES, Gemma4MLP, apply_rope, rope_in
 from export.archs.gemma4_assistant.config import Gemma4AssistantConfig
 from export.archs.gemma4_assistant.weights import TOKEN_ORDERING, adapt_gemma4_assistant
 from export.step.sequential import DraftBatch, Drafter, SequentialStep
-from plugins.paged_attention.reference import paged_attention
+from plugins.paged_attention.op import paged_attention
 from runtime.errors import ExportError
 
 if TYPE_CHECKING:

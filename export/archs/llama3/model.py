@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from export.archs.common import RMSNorm, gather_pool, last_n_indices
 from export.archs.llama3.config import Llama3Config, Llama3RopeScaling, LlamaLayerConfig
 from export.archs.llama3.weights import adapt_llama3
-from plugins.paged_attention.reference import paged_attention
+from plugins.paged_attention.op import paged_attention
 from runtime import manifest as io
 from runtime.errors import ExportError
 

@@ -18,6 +18,7 @@ from export.archs.common import rms_norm
 from export.archs.llama3.config import Llama3Config
 from export.archs.llama3.model import Llama3Target, rope_inv_freq
 from export.archs.llama3.weights import adapt_llama3
+from export.onnx_export import export_module
 from export.paged import PagedPools
 from runtime.errors import CheckpointError, ExportError
 
@@ -222,10 +223,13 @@ def test_onnx_export_keeps_dynamic_dims_and_matches_torch(tmp_path: Path) -> Non
     dynamic = {"tokens": {0: s}, "row_offsets": {0: b + 1}, "positions": {0: s}, "cache_lengths": {0: b},
                "block_table": {0: b, 1: max_blocks}, "kv_pool": {0: blocks}}
     path = tmp_path / "llama3_step.onnx"
-    torch.onnx.export(model, example, path, dynamo=True, dynamic_shapes=dynamic, opset_version=24,
+    export_module(model, example, path, dynamic_shapes=dynamic,
                       input_names=list(INPUTS), output_names=list(OUTPUTS))
 
     proto = onnx.load(str(path))
+    # Attention (and MoE) are unispec plugin nodes carrying their reference functions (DESIGN.md §4).
+    assert {"PagedAttention"} <= {n.op_type for n in proto.graph.node if n.domain == "unispec"}
+    assert {f.name for f in proto.functions} >= {"PagedAttention"}
     assert proto.ir_version == 10
     assert {(o.domain, o.version) for o in proto.opset_import if o.domain in ("", "ai.onnx")} == {("", 24)}
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
