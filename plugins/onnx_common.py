@@ -237,14 +237,18 @@ def export_reference(spec: PluginSpec, attributes: Mapping[str, Any], dtypes: tu
     examples = spec.example_inputs(attributes)
     present = tuple(dtype is not None for dtype in dtypes)
     inputs = tuple(_cast(example, dtype) for example, dtype in zip(examples, dtypes) if dtype is not None)
+    # Dims of example size <= 1 are static attributes of the node (e.g. SpecAccept's K = 0 or 1); every
+    # other dim is dynamic and must stay so.
     dynamic = torch.export.Dim.DYNAMIC
-    shapes = tuple({axis: dynamic for axis in range(x.dim())} for x in inputs)
+    shapes = tuple({axis: dynamic for axis in range(x.dim()) if x.shape[axis] > 1} for x in inputs)
     program = torch.onnx.export(_Bound(spec.reference, attributes, present).eval(), inputs, dynamo=True,
                                 opset_version=opset, input_names=[p.name for p, h in zip(spec.inputs, present) if h],
                                 output_names=[p.name for p in spec.outputs], dynamic_shapes=(shapes,),
                                 verbose=False)
-    for value in program.model.graph.inputs:  # a frozen dim would make the function wrong for other shapes
-        if value.shape is None or not all(isinstance(d, ir.SymbolicDim) for d in value.shape):
+    for value, example in zip(program.model.graph.inputs, inputs):  # a frozen dim would break other shapes
+        wanted_dynamic = [size > 1 for size in example.shape]
+        if value.shape is None or any(want and not isinstance(d, ir.SymbolicDim)
+                                      for want, d in zip(wanted_dynamic, value.shape)):
             raise ValueError(f"{spec.op_type} reference export froze a dim of {value.name!r}: {value.shape}")
     return program.model_proto
 

@@ -78,12 +78,14 @@ def verify(
         logits = apply_bitmask(logits, token_bitmask)                              # [B, K+1, V]
     num_positions = logits.shape[1]
     num_drafts = draft_tokens.shape[1]
+    params = [_per_position(p, num_positions) for p in (temperature, top_k, top_p, min_p)]
+    if num_drafts == 0:
+        return _plain_decoding(logits, temperature, params, noise)
     has_draft = draft_tokens >= 0                                                  # [B, K]
     drafts = draft_tokens.clamp(min=0)                                             # [B, K] gatherable
     draft_logit = logits[:, :num_drafts].gather(-1, drafts[..., None])[..., 0]     # [B, K]
 
-    target = truncated_probs(logits, *(_per_position(p, num_positions)
-                                       for p in (temperature, top_k, top_p, min_p)))  # [B, K+1, V]
+    target = truncated_probs(logits, *params)                                      # [B, K+1, V]
     accepted, candidates = _strict_verdict(target, drafts, has_draft, noise, draft_probs)
     if in_thinking_phase is not None:
         relaxed = relaxed_verdict(logits[:, :num_drafts], drafts, top_n=relaxed_top_n, delta=relaxed_delta)
@@ -100,6 +102,15 @@ def verify(
     num_accepted = count_accepted(accepted)                                        # [B]
     next_tokens = candidates.gather(1, num_accepted[:, None])[:, 0]                # [B]
     return num_accepted, next_tokens
+
+
+def _plain_decoding(logits: torch.Tensor, temperature: torch.Tensor, params: list[torch.Tensor],
+                    noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K = 0 (static): only the bonus position. Kept free of [B, 0, ...] tensors, which ONNX Runtime
+    mis-shapes in several ops (Gather, ReduceMax) when the graph is run."""
+    sampled = sample_inverse_cdf(truncated_probs(logits, *params), noise[..., NOISE_TARGET])[:, 0]  # [B]
+    next_tokens = torch.where(is_greedy(temperature), logits[:, 0].argmax(dim=-1), sampled)          # [B]
+    return torch.zeros_like(next_tokens), next_tokens
 
 
 def _strict_verdict(

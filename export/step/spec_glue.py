@@ -45,7 +45,7 @@ def verify(logits: torch.Tensor, f: Mapping[str, torch.Tensor], *, structured: b
     num_accepted, next_tokens = spec_accept(
         logits, f[io.DRAFT_TOKENS], f[io.TEMPERATURE], f[io.TOP_K], f[io.TOP_P], f[io.MIN_P], f[io.NOISE],
         f[io.IN_THINKING_PHASE], f[io.TOKEN_BITMASK] if structured else None,
-        relaxed_top_n=spec.RELAXED_TOP_N, relaxed_delta=spec.RELAXED_DELTA)
+        num_drafts=f[io.DRAFT_TOKENS].shape[1], relaxed_top_n=spec.RELAXED_TOP_N, relaxed_delta=spec.RELAXED_DELTA)
     return Verdict(num_accepted, next_tokens)
 
 

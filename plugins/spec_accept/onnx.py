@@ -19,24 +19,27 @@ from plugins.spec_accept import op, reference  # noqa: F401  (op registers the c
 def spec_accept_onnx(logits: TFloat, draft_tokens: INT64, temperature: FLOAT, top_k: INT64, top_p: FLOAT,
                      min_p: FLOAT, noise: FLOAT, in_thinking_phase: BOOL,
                      token_bitmask: Optional[INT32] = None,  # noqa: UP045
-                     relaxed_top_n: int = 0, relaxed_delta: float = 0.0) -> tuple[INT64, INT64]:
+                     num_drafts: int = 0, relaxed_top_n: int = 0,
+                     relaxed_delta: float = 0.0) -> tuple[INT64, INT64]:
     # The op's attributes have no defaults, so torch.export always passes them; these (relaxed off) are
     # only there because onnxscript has no keyword-only parameters. The tuple target makes two outputs
     # (`_outputs=2` would become a node attribute in a script function).
     num_accepted, next_tokens = unispec.SpecAccept(
         logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase, token_bitmask,
-        relaxed_top_n=relaxed_top_n, relaxed_delta=relaxed_delta, plugin_namespace=DOMAIN,
+        num_drafts=num_drafts, relaxed_top_n=relaxed_top_n, relaxed_delta=relaxed_delta, plugin_namespace=DOMAIN,
         plugin_version=PLUGIN_VERSION)
     return num_accepted, next_tokens
 
 
 def example_inputs(attributes: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
-    """2 rows, K = 4 drafts, a 230-token vocabulary (8 bitmask words), 3 noise channels; mixed parameters."""
+    """2 rows, the node's K drafts, a 230-token vocabulary (8 bitmask words), 3 noise channels; mixed
+    parameters. K is the node's own (static) `num_drafts`: ONNX Runtime mishandles some ops on the empty
+    axes of a K = 0 graph traced at another K, so each K gets a function traced at that K."""
     g = torch.Generator().manual_seed(0)
-    batch, k, vocab, channels = 2, 4, 230, 3
+    batch, k, vocab, channels = 2, int(attributes["num_drafts"]), 230, 3
     logits = torch.randn(batch, k + 1, vocab, generator=g)
     drafts = logits[:, :k].argmax(-1)
-    drafts[0, 2:] = -1
+    drafts[0, k // 2:] = -1
     return (logits, drafts, torch.tensor([0.0, 0.8]), torch.tensor([0, 20]), torch.tensor([1.0, 0.9]),
             torch.tensor([0.0, 0.05]), torch.rand(batch, k + 1, channels, generator=g), torch.tensor([False, True]),
             torch.full((batch, k + 1, -(-vocab // 32)), -1, dtype=torch.int32))

@@ -19,15 +19,19 @@ def spec_accept(
     in_thinking_phase: torch.Tensor,  # [B] bool
     token_bitmask: Optional[torch.Tensor] = None,  # [B, K+1, W] int32  # noqa: UP045 (custom_op parses it)
     *,
+    num_drafts: int,
     relaxed_top_n: int,
     relaxed_delta: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B], next_tokens [B]
+    if draft_tokens.shape[1] != num_drafts:   # here, not in the reference: tracing it must not pin K
+        raise ValueError(f"SpecAccept: num_drafts={num_drafts} but draft_tokens has {draft_tokens.shape[1]} columns")
     return reference.spec_accept(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase,
-                                 token_bitmask, relaxed_top_n=relaxed_top_n, relaxed_delta=relaxed_delta)
+                                 token_bitmask, num_drafts=num_drafts, relaxed_top_n=relaxed_top_n,
+                                 relaxed_delta=relaxed_delta)
 
 
 @spec_accept.register_fake
 def _(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase, token_bitmask=None, *,
-      relaxed_top_n, relaxed_delta):
+      num_drafts, relaxed_top_n, relaxed_delta):
     batch = logits.shape[0]
     return logits.new_empty(batch, dtype=torch.int64), logits.new_empty(batch, dtype=torch.int64)

@@ -35,6 +35,7 @@ def spec_accept(
     in_thinking_phase: torch.Tensor,  # [B] bool
     token_bitmask: torch.Tensor | None = None,  # [B, K+1, ceil(V/32)] int32
     *,
+    num_drafts: int,                  # K, static per artifact: the node's function is traced at this K
     relaxed_top_n: int,
     relaxed_delta: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, next_tokens [B] int64

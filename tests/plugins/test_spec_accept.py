@@ -54,28 +54,33 @@ LARGE = accept_inputs(1, rows=6, k=5, vocab=300)
 def test_eager_op_is_verify(inputs) -> None:
     args = list(inputs.values())
     for with_mask in (True, False):
-        got = spec_accept(*args[:8], args[8] if with_mask else None, **RELAXED)
+        got = spec_accept(*args[:8], args[8] if with_mask else None, num_drafts=args[1].shape[1], **RELAXED)
         want = verify(*args[:8], args[8] if with_mask else None, **RELAXED)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    other = spec_accept(*args, relaxed_top_n=1, relaxed_delta=0.0)   # attributes reach verify
+    other = spec_accept(*args, num_drafts=args[1].shape[1], relaxed_top_n=1, relaxed_delta=0.0)  # reach verify
     assert all(torch.equal(a, b) for a, b in zip(other, verify(*args, relaxed_top_n=1, relaxed_delta=0.0)))
 
 
 class Verdicts(torch.nn.Module):
-    """Structured and unstructured verdicts side by side."""
+    """Structured and unstructured verdicts side by side, for K drafts (static in real step graphs)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
 
     def forward(self, logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase,
                 token_bitmask):
         args = (logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase)
-        structured = spec_accept(*args, token_bitmask, **RELAXED)
-        free = spec_accept(*args, **RELAXED)
+        k = self.k
+        structured = spec_accept(*args, token_bitmask, num_drafts=k, **RELAXED)
+        free = spec_accept(*args, num_drafts=k, **RELAXED)
         return (*structured, *free)
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     path = tmp_path_factory.mktemp("spec_accept") / "verdicts.onnx"
-    return export_with_plugins(Verdicts(), SMALL, path), path
+    return export_with_plugins(Verdicts(2), SMALL, path), path
 
 
 def test_graph_holds_two_overloads_with_and_without_bitmask(exported) -> None:
@@ -92,5 +97,21 @@ def test_graph_holds_two_overloads_with_and_without_bitmask(exported) -> None:
 @pytest.mark.parametrize("inputs", [SMALL, LARGE], ids=["small", "large"])
 def test_onnx_runtime_gives_the_same_tokens(exported, inputs) -> None:
     _, path = exported
-    got = assert_ort_matches(session(path), Verdicts(), inputs)
+    got = assert_ort_matches(session(path), Verdicts(inputs['draft_tokens'].shape[1]), inputs)
     assert (got[0] > 0).any(), "some drafts are accepted, so the comparison covers accepted prefixes"
+
+
+def test_k_zero_gets_its_own_function_and_runs_in_onnx_runtime(tmp_path) -> None:
+    """Plain decoding (K = 0): the function is traced at K = 0; ONNX Runtime mishandles empty axes otherwise."""
+    inputs = accept_inputs(2, rows=4, k=0, vocab=50)
+    inputs["draft_tokens"] = inputs["draft_tokens"][:, :0]
+    model = export_with_plugins(Verdicts(0), inputs, tmp_path / "k0.onnx")
+    assert {attributes(n)["num_drafts"] for n in unispec_nodes(model)} == {0}
+    got = assert_ort_matches(session(tmp_path / "k0.onnx"), Verdicts(0), inputs)
+    assert (got[0] == 0).all()
+
+
+def test_num_drafts_must_match_the_drafts() -> None:
+    args = list(SMALL.values())
+    with pytest.raises(ValueError, match="num_drafts=3"):
+        spec_accept(*args, num_drafts=3, **RELAXED)

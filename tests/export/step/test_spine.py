@@ -87,3 +87,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:
     greedy = harness.generate(spec.run, harness.geometry(spec, pools, CHANNELS),
                               [harness.Request(prompt=[5, 6, 7], max_new_tokens=24)])
     assert greedy[0].tokens != alone[0].tokens          # the sampling parameters reached the graph
+
+
+def test_target_only_step_exports_and_onnxruntime_agrees(tmp_path) -> None:
+    """K = 0 (method `none`): draft_tokens is [B, 0]; the graph must still run in ONNX Runtime."""
+    baseline, _ = _steps(1)
+    harness.check_onnx_matches_torch(baseline, tmp_path / "none.onnx", VOCAB)
