@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -40,21 +41,34 @@ def main(ctx: click.Context, debug: bool) -> None:
     ctx.obj["debug"] = debug
 
 
+_CHECKPOINT_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
+
+
 @main.command()
-@click.option("--target", "target_dir", type=click.Path(path_type=Path), required=True,
+@click.option("--target", "target_dir", type=_CHECKPOINT_DIR, required=True,
               help="Target model checkpoint directory (Hugging Face format).")
-@click.option("--draft", "draft_dir", type=click.Path(path_type=Path), default=None,
+@click.option("--draft", "draft_dir", type=_CHECKPOINT_DIR, default=None,
               help="Draft checkpoint directory (nextn, eagle3, eagle3-mha, dflash, gemma4-mtp).")
 @click.option("--method", type=click.Choice(METHODS), default="none", show_default=True)
-@click.option("--num-speculative-tokens", "k", type=int, default=3, show_default=True,
-              help="Draft tokens per step (K), fixed per artifact.")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True, help="Artifact directory.")
+@click.option("--num-speculative-tokens", type=int, default=3, show_default=True,
+              help="Draft tokens per step (K), fixed per artifact; ignored by `none`.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Artifact directory (an existing artifact there is replaced once the new one is complete).")
 @click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), default="float32",
-              show_default=True)
+              show_default=True, help="Weights and KV pools.")
 @click.option("--structured-output", is_flag=True, help="Add the token_bitmask input for grammars.")
-def export(**_: object) -> None:
+@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV pool block.")
+@click.option("--max-model-len", type=int, default=2048, show_default=True,
+              help="Longest sequence (prompt + output) a request may reach.")
+@click.option("--max-batch-size", type=int, default=16, show_default=True, help="Most rows per step.")
+@click.option("--max-tokens-per-step", type=int, default=512, show_default=True,
+              help="Most new tokens per step over all rows (the prefill chunk budget).")
+def export(**options: Any) -> None:
     """Export a target (+ draft) checkpoint to an ONNX artifact directory."""
-    _not_yet("export", 6)
+    from export.artifact import export_model
+
+    out = export_model(**options)
+    click.echo(f"artifact: {out}")
 
 
 @main.command()
@@ -103,9 +117,52 @@ def compare(**_: object) -> None:
 
 @main.command()
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
-def inspect(**_: object) -> None:
+def inspect(artifact_dir: Path) -> None:
     """Print an artifact's manifest, I/O table and custom ops."""
-    _not_yet("inspect", 6)
+    from rich.console import Console
+
+    from export.artifact import read_artifact
+
+    console = Console()
+    for table in _artifact_tables(artifact_dir, read_artifact(artifact_dir)):
+        console.print(table)
+
+
+def _artifact_tables(directory: Path, view: Any) -> list[Any]:
+    """rich tables for `inspect`: summary, pools, graph I/O, ops."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    m = view.manifest
+    summary = Table("field", "value", title=escape(f"artifact {directory}"), title_justify="left")
+    draft = f"{m.draft_arch}, " if m.draft_arch else ""
+    tokenizer = ", ".join(m.tokenizer.files) or "(none)"
+    for field, value in (
+            ("method", f"{m.method} (K = {m.num_speculative_tokens})"), ("archs", f"{draft}{m.target_arch}"),
+            ("vocab / dtype", f"{m.vocab_size} / {m.dtype}"), ("block size", m.block_size),
+            ("bounds", f"max_model_len {m.max_model_len}, max_batch_size {m.max_batch_size}, "
+                       f"max_tokens_per_step {m.max_tokens_per_step}"),
+            ("noise channels", m.noise_channels), ("structured output", m.structured_output),
+            ("KV bytes per token", m.kv_bytes_per_token()), ("files", f"{m.model_file}, {m.weights_file}"),
+            ("tokenizer", f"{tokenizer}; bos {m.tokenizer.bos_token_id}, eos {list(m.tokenizer.eos_token_ids)}"),
+            ("exporter", ", ".join(f"{k} {v}" for k, v in m.exporter.items())),
+            ("engine", "(none: run `unispec build`)" if m.engine is None else m.engine)):
+        summary.add_row(field, escape(str(value)))
+    pools = Table("pool", "delta", "layers", "width", "dtype", title="KV pools", title_justify="left")
+    for p in m.pools:
+        pools.add_row(p.name, p.delta, str(p.num_layers), str(p.width), p.dtype)
+    graph_io = Table("", "name", "dtype", "shape", title="graph inputs / outputs", title_justify="left")
+    for kind, specs in (("in", m.inputs), ("out", m.outputs)):
+        for t in specs:
+            graph_io.add_row(kind, t.name, t.dtype, escape(f"[{', '.join(map(str, t.shape))}]"))
+    ops = Table("custom op (domain unispec)", "nodes", "reference function", title="plugins", title_justify="left")
+    for op in m.ops:
+        key = f"unispec::{op}"
+        ops.add_row(op, str(view.op_counts.get(key, 0)), "attached" if key in view.functions else "missing")
+    if not m.ops:
+        ops.add_row("(none: standard ONNX ops only)", "", "")
+    onnx_ops = ", ".join(f"{name} x{count}" for name, count in sorted(view.op_counts.items()))
+    return [summary, pools, graph_io, ops, escape(f"ONNX ops: {onnx_ops}")]
 
 
 @main.command()

@@ -1,0 +1,363 @@
+"""Checkpoint directories -> an artifact directory (DESIGN.md §6): `export_model`, and `read_artifact`
+that checks one against its manifest (for `unispec inspect`).
+
+Everything is written under a temporary sibling and renamed into place at the end, so an interrupted
+or failed export never leaves a half artifact, and an artifact already at `out_dir` is replaced only
+once the new one is complete:
+
+  .<name>.tmp-<hex>/                 (next to out_dir)
+      trace/step.onnx                export_step's file, weights inline; removed before the rename
+      model.onnx                     opset 24, IR 10, no weights
+      model.onnx.data                every initializer; identical tensors (a drafter's copy of the
+                                     target's embedding or head) stored once
+      manifest.json                  runtime.manifest.Manifest
+      tokenizer.json, ...            copied from the target checkpoint when present
+  out_dir ──rename──▶ .<name>.old-<hex>,  tmp ──rename──▶ out_dir,  rm -r .<name>.old-<hex>
+
+The graph-file work (external weights, shared tensors, TensorSpecs) lives in export/onnx_files.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from export.onnx_files import op_counts, plugin_ops, save_with_external_weights, tensor_specs
+from runtime import manifest as io
+from runtime.errors import ArtifactError, ConfigError, ExportError
+from runtime.manifest import Manifest, PoolSpec, TensorSpec, TokenizerInfo
+
+if TYPE_CHECKING:
+    import onnx
+
+    from export.step.base import UnifiedStep
+
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "tokenizer.model", "chat_template.jinja")
+THINK_TOKENS = ("<think>", "</think>")
+STAGES = ("read checkpoints", "build step", "trace + export", "write weights", "check graph", "write manifest")
+EXPORTER_PACKAGES = ("unispec", "torch", "onnx", "onnxscript", "onnxruntime")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportSettings:
+    """What an export was asked for, validated before any checkpoint is read."""
+
+    method: str
+    num_speculative_tokens: int
+    dtype: str = "float32"
+    structured_output: bool = False
+    block_size: int = 16                 # KV pool block (tokens per block), static in the graph
+    max_model_len: int = 2048
+    max_batch_size: int = 16
+    max_tokens_per_step: int = 512
+
+    def __post_init__(self) -> None:
+        if self.dtype not in WEIGHT_DTYPES:
+            raise ExportError(f"--dtype {self.dtype!r} is not supported; use one of {', '.join(WEIGHT_DTYPES)}")
+        for flag, value in (("--block-size", self.block_size), ("--max-model-len", self.max_model_len),
+                            ("--max-batch-size", self.max_batch_size),
+                            ("--max-tokens-per-step", self.max_tokens_per_step)):
+            if value < 1:
+                raise ExportError(f"{flag} must be >= 1, got {value}")
+        if self.max_tokens_per_step < self.max_batch_size:
+            raise ExportError(f"--max-tokens-per-step ({self.max_tokens_per_step}) must be >= --max-batch-size "
+                              f"({self.max_batch_size}): every row of a step brings at least one token")
+
+
+def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *, method: str,
+                 num_speculative_tokens: int, out_dir: str | Path, dtype: str = "float32",
+                 structured_output: bool = False, block_size: int = 16, max_model_len: int = 2048,
+                 max_batch_size: int = 16, max_tokens_per_step: int = 512, progress: bool | None = None) -> Path:
+    """Export a target (+ draft) checkpoint as the artifact directory `out_dir`; returns its path.
+
+    Bad combinations (method vs checkpoint families, K vs a DFlash block) fail with one-line errors
+    before anything is written. `progress=None` shows a progress bar when stderr is a terminal.
+    """
+    settings = ExportSettings(method=method, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
+                              structured_output=structured_output, block_size=block_size,
+                              max_model_len=max_model_len, max_batch_size=max_batch_size,
+                              max_tokens_per_step=max_tokens_per_step)
+    target_dir, out = Path(target_dir), Path(os.path.abspath(out_dir))   # "." and ".." have no sibling to stage in
+    _check_out_dir(out)
+    with _Stages(progress) as stages:
+        stages.start("read checkpoints")
+        sources = _read_sources(target_dir, draft_dir)
+        stages.start("build step")
+        step = _build(settings, target_dir, draft_dir)
+        with _staging(out) as tmp:
+            stages.start("trace + export")
+            model = _trace(step, tmp / "trace", settings, sources["vocab_size"])
+            stages.start("write weights")
+            save_with_external_weights(model, tmp)
+            del model
+            shutil.rmtree(tmp / "trace")
+            stages.start("check graph")
+            graph = _check_graph(tmp / io.MODEL_NAME, step)
+            stages.start("write manifest")
+            tokenizer = _copy_tokenizer(target_dir, sources["config"], tmp)
+            _manifest(graph, step, settings, sources, tokenizer, tmp).write(tmp)
+            Manifest.load(tmp)                       # the runtime must be able to read what we wrote
+    return out
+
+
+# --- steps of an export ------------------------------------------------------------------------------------
+
+def _check_out_dir(out: Path) -> None:
+    """Replacing `out` must never delete anything but an earlier artifact."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; point --out at a new or artifact directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / io.MANIFEST_NAME).is_file():
+        raise ExportError(f"--out {out} exists and is not a unispec artifact (no {io.MANIFEST_NAME}); "
+                          "choose a new directory or remove it first")
+
+
+def _read_sources(target_dir: Path, draft_dir: str | Path | None) -> dict[str, Any]:
+    """config.json of both checkpoints -> registry names and the target's vocabulary size."""
+    from export.archs import config_from_hf, find_arch
+    from export.config import read_config_json
+
+    config = read_config_json(target_dir)
+    draft = find_arch(read_config_json(draft_dir)).name if draft_dir is not None else None
+    return {"config": config, "target_arch": find_arch(config).name, "draft_arch": draft,
+            "vocab_size": int(config_from_hf(config).vocab_size)}
+
+
+def _build(settings: ExportSettings, target_dir: Path, draft_dir: str | Path | None) -> UnifiedStep:
+    import torch
+
+    from export.methods import build_step
+
+    dtype = getattr(torch, settings.dtype)         # weights are read straight into the export dtype
+    step = build_step(settings.method, target_dir, draft_dir, k=settings.num_speculative_tokens, dtype=dtype)
+    step.structured_output = settings.structured_output
+    return step.eval()
+
+
+def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_size: int) -> onnx.ModelProto:
+    """torch.export + ONNX conversion (custom ops and their functions are export_step's business)."""
+    import onnx
+    import torch
+
+    from export.onnx_export import example_feeds, export_step
+
+    bs = settings.block_size
+    # cache lengths spanning several blocks keep max_blocks >= 2 in the example (1 would freeze the dim);
+    # vocab fixes the bitmask width ceil(V/32), block_size the pools' static block axis.
+    feeds = example_feeds(step, cache_lengths=(bs + 1, 0, 2 * bs + 3), block_size=bs, vocab=vocab_size)
+    for name in step.pool_shapes():
+        feeds[name] = feeds[name].to(getattr(torch, settings.dtype))
+    trace_dir.mkdir()
+    with _quiet_exporter():
+        path = export_step(step, trace_dir / "step.onnx", feeds)
+    return onnx.load(str(path))
+
+
+@contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter logs missing torchvision ops and warns about merged dim names: noise to a user."""
+    import logging
+    import warnings
+
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _check_graph(path: Path, step: UnifiedStep) -> onnx.GraphProto:
+    """The saved file passes the ONNX checker and carries the step's inputs/outputs in contract order."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        first_line = str(exc).strip().splitlines()[0]
+        raise ExportError(f"the exported graph fails the ONNX checker: {first_line}") from None
+    graph = onnx.load(str(path), load_external_data=False).graph
+    assert [v.name for v in graph.input] == list(step.input_names), "graph inputs out of contract order"
+    assert [v.name for v in graph.output] == list(step.output_names), "graph outputs out of contract order"
+    return graph
+
+
+# --- manifest ------------------------------------------------------------------------------------------------
+
+def _pools(inputs: tuple[TensorSpec, ...], step: UnifiedStep) -> tuple[PoolSpec, ...]:
+    by_name = {t.name: t for t in inputs}
+    pools = []
+    for name, (layers, width) in step.pool_shapes().items():
+        spec = by_name[name]                                  # [num_blocks, layers, block_size, width]
+        assert tuple(spec.shape[1::2]) == (layers, width), f"{name}: graph {spec.shape} vs step {layers, width}"
+        pools.append(PoolSpec(name=name, delta=io.DELTA_OF_POOL[name], num_layers=layers, width=width,
+                              dtype=spec.dtype))
+    return tuple(pools)
+
+
+def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSettings, sources: dict[str, Any],
+              tokenizer: TokenizerInfo, out: Path) -> Manifest:
+    from export.spec import NOISE_CHANNELS
+
+    inputs = tensor_specs(graph.input)
+    return Manifest(
+        method=settings.method, num_speculative_tokens=step.k, target_arch=sources["target_arch"],
+        draft_arch=sources["draft_arch"], vocab_size=sources["vocab_size"], dtype=settings.dtype,
+        block_size=settings.block_size, max_model_len=settings.max_model_len,
+        max_batch_size=settings.max_batch_size, max_tokens_per_step=settings.max_tokens_per_step,
+        noise_channels=NOISE_CHANNELS, structured_output=step.structured_output, pools=_pools(inputs, step),
+        inputs=inputs, outputs=tensor_specs(graph.output), ops=plugin_ops(graph),
+        weights_file=io.WEIGHTS_NAME if (out / io.WEIGHTS_NAME).is_file() else None,
+        tokenizer=tokenizer, exporter=exporter_versions())
+
+
+def exporter_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in EXPORTER_PACKAGES:
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            continue
+    return found
+
+
+def _copy_tokenizer(target_dir: Path, config: dict[str, Any], out: Path) -> TokenizerInfo:
+    """Copy the tokenizer files the target ships; special ids from generation_config.json, else config.json."""
+    files = tuple(name for name in TOKENIZER_FILES if (target_dir / name).is_file())
+    for name in files:
+        shutil.copyfile(target_dir / name, out / name)
+    generation = _json_object(target_dir / "generation_config.json") if "generation_config.json" in files else {}
+    sources = (generation, config, config.get("text_config") or {})
+    bos = next((s["bos_token_id"] for s in sources if s.get("bos_token_id") is not None), None)
+    eos = next((s["eos_token_id"] for s in sources if s.get("eos_token_id") is not None), ())
+    eos = tuple(eos) if isinstance(eos, list) else (eos,)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in (*eos, *([bos] if bos is not None else []))):
+        raise ConfigError(f"{target_dir}: bos_token_id / eos_token_id must be integers (or a list of them), "
+                          f"got {bos!r} / {list(eos)!r}; fix generation_config.json or config.json")
+    think = _added_token_ids(target_dir / "tokenizer.json") if "tokenizer.json" in files else {}
+    return TokenizerInfo(files=files, bos_token_id=bos, eos_token_ids=eos,
+                         think_start_id=think.get(THINK_TOKENS[0]), think_end_id=think.get(THINK_TOKENS[1]))
+
+
+def _added_token_ids(path: Path) -> dict[str, int]:
+    added = _json_object(path).get("added_tokens") or []
+    return {t["content"]: t["id"] for t in added if isinstance(t, dict) and t.get("content") in THINK_TOKENS}
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc}); fix or remove it") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: must hold a JSON object; fix or remove it")
+    return d
+
+
+# --- atomic directory swap and progress --------------------------------------------------------------------------
+
+@contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """A fresh sibling of `out` to write into; renamed onto `out` on success, removed on any failure."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        _move_into_place(tmp, out)
+    except BaseException:                     # KeyboardInterrupt included: never leave a half artifact
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class _Stages:
+    """A rich progress bar over STAGES on stderr; does nothing when disabled."""
+
+    def __init__(self, enabled: bool | None) -> None:
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.bar: Any = None
+
+    def __enter__(self) -> _Stages:
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=Console(stderr=True))
+            self.bar.start()
+            self.task = self.bar.add_task("export", total=len(STAGES))
+        return self
+
+    def start(self, stage: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=stage, completed=STAGES.index(stage))
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if self.bar is not None:
+            if kind is None:
+                self.bar.update(self.task, description="done", completed=len(STAGES))
+            self.bar.stop()
+
+
+# --- reading an artifact back -------------------------------------------------------------------------------------
+
+class ArtifactView(NamedTuple):
+    manifest: Manifest
+    op_counts: dict[str, int]              # op -> nodes using it; custom ops as "unispec::Op"
+    functions: tuple[str, ...]             # model-local functions ("unispec::Op": a plugin's reference body)
+
+
+def read_artifact(directory: str | Path) -> ArtifactView:
+    """The manifest of an artifact checked against its graph, with what the graph is made of.
+
+    Raises a one-line ArtifactError when the directory is not an artifact or its files disagree.
+    """
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    directory = Path(directory)
+    manifest = Manifest.load(directory)
+    model_path = directory / manifest.model_file
+    if not model_path.is_file():
+        raise ArtifactError(f"{directory}: {manifest.model_file} is missing; the artifact is damaged, re-export it")
+    if manifest.weights_file and not (directory / manifest.weights_file).is_file():
+        raise ArtifactError(f"{directory}: {manifest.weights_file} is missing; the artifact is damaged, re-export it")
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+        graph = model.graph
+        io_specs = (tensor_specs(graph.input), tensor_specs(graph.output))
+    except (DecodeError, ExportError, OSError, ValueError) as exc:
+        raise ArtifactError(f"{model_path}: unreadable ({exc}); the artifact is damaged, re-export it") from None
+    if io_specs != (manifest.inputs, manifest.outputs):
+        raise ArtifactError(f"{directory}: the graph's inputs/outputs differ from {io.MANIFEST_NAME}; "
+                            "the files come from different exports, re-export the artifact")
+    functions = tuple(sorted(f"{f.domain}::{f.name}" for f in model.functions))
+    return ArtifactView(manifest, op_counts(graph), functions)

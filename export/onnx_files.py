@@ -1,0 +1,138 @@
+"""The ONNX side of an artifact: weights moved to one external file (each distinct tensor once), graph
+values described as manifest TensorSpecs, and the node walks `export` and `inspect` share.
+
+Only `onnx` is needed here (no torch), so reading an artifact back stays cheap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from runtime import manifest as io
+from runtime.errors import ExportError
+from runtime.manifest import TensorSpec
+
+if TYPE_CHECKING:
+    import onnx
+
+OPSET = 24
+IR_VERSION = 10
+PLUGIN_DOMAIN = "unispec"
+EXTERNAL_MIN_BYTES = 1024     # below this only weights go external: scalars, axes, shapes stay inline
+STACK_TRACE_KEY = "pkg.torch.onnx.stack_trace"
+
+# ONNX TensorProto element types -> the names runtime.manifest.DTYPES uses.
+ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32", 9: "bool"}
+_FLOATING = {1, 10, 16, 11}                      # float, float16, bfloat16, double
+
+
+def save_with_external_weights(model: onnx.ModelProto, out: Path) -> None:
+    """model.onnx + model.onnx.data holding the weights, each distinct tensor once."""
+    import onnx
+
+    if model.ir_version != IR_VERSION or opset_of(model) != OPSET:
+        raise ExportError(f"the exporter produced IR {model.ir_version} / opset {opset_of(model)}; unispec "
+                          f"artifacts need IR {IR_VERSION} / opset {OPSET} (check the torch/onnx versions)")
+    dedupe_initializers(model.graph)
+    move_weights_out(model.graph, io.WEIGHTS_NAME)
+    for node in nodes(model.graph):                  # source paths of the exporting machine: bulk, no use
+        kept = [p for p in node.metadata_props if p.key != STACK_TRACE_KEY]
+        if len(kept) != len(node.metadata_props):
+            del node.metadata_props[:]
+            node.metadata_props.extend(kept)
+    onnx.save_model(model, str(out / io.MODEL_NAME))      # writes the external tensors next to it, in order
+    weights = out / io.WEIGHTS_NAME
+    if weights.is_file():                             # onnx creates it 0600; give it model.onnx's mode
+        weights.chmod((out / io.MODEL_NAME).stat().st_mode & 0o777)
+
+
+def move_weights_out(graph: onnx.GraphProto, location: str) -> None:
+    """Mark every weight (floating, more than one element) and every tensor >= 1 KiB as external data.
+
+    Scalars and small integer tensors (axes, shapes, indices) stay inline: shape inference and TensorRT's
+    parser need their values while building, and they weigh nothing.
+    """
+    from onnx import numpy_helper
+    from onnx.external_data_helper import set_external_data
+
+    for tensor in graph.initializer:
+        if not tensor.HasField("raw_data"):                # typed fields -> raw bytes, which external data needs
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
+        weight = tensor.data_type in _FLOATING and math.prod(tensor.dims) > 1
+        if weight or len(tensor.raw_data) >= EXTERNAL_MIN_BYTES:
+            set_external_data(tensor, location)
+
+
+def dedupe_initializers(graph: onnx.GraphProto, min_bytes: int = EXTERNAL_MIN_BYTES) -> int:
+    """Keep one of each set of initializers with equal dtype, shape and bytes; returns how many went.
+
+    A drafter that holds the same Parameter as the target is exported once already; one that loaded its
+    own copy of the target's embedding or head (same bytes, another name) is folded here.
+    """
+    from onnx import numpy_helper
+
+    first: dict[tuple[int, tuple[int, ...], bytes], str] = {}
+    renamed: dict[str, str] = {}
+    for index in range(len(graph.initializer)):
+        tensor = graph.initializer[index]
+        data = tensor.raw_data or numpy_helper.to_array(tensor).tobytes()
+        if len(data) < min_bytes:
+            continue
+        key = (tensor.data_type, tuple(tensor.dims), hashlib.sha256(data).digest())
+        if key in first:
+            renamed[tensor.name] = first[key]
+        else:
+            first[key] = tensor.name
+    if renamed:
+        for index in reversed(range(len(graph.initializer))):
+            if graph.initializer[index].name in renamed:
+                del graph.initializer[index]
+        for node in nodes(graph):
+            node.input[:] = [renamed.get(name, name) for name in node.input]
+    return len(renamed)
+
+
+def nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of a graph and of the subgraphs (If/Loop/Scan bodies) inside it."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            for sub in (attribute.g,) if attribute.HasField("g") else attribute.graphs:
+                yield from nodes(sub)
+
+
+def opset_of(model: onnx.ModelProto) -> int | None:
+    """The default-domain opset a model imports."""
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+
+
+def tensor_specs(values: Iterable[onnx.ValueInfoProto]) -> tuple[TensorSpec, ...]:
+    """ONNX ValueInfos -> TensorSpecs; a dim is its size when static, its name when dynamic."""
+    specs = []
+    for value in values:
+        kind = value.type.tensor_type
+        if kind.elem_type not in ONNX_DTYPES:
+            raise ExportError(f"graph value '{value.name}' has ONNX element type {kind.elem_type}, which the "
+                              f"manifest cannot describe (supported: {', '.join(ONNX_DTYPES.values())})")
+        shape = tuple(d.dim_value if d.WhichOneof("value") == "dim_value" else (d.dim_param or f"{value.name}_{i}")
+                      for i, d in enumerate(kind.shape.dim))
+        specs.append(TensorSpec(name=value.name, dtype=ONNX_DTYPES[kind.elem_type], shape=shape))
+    return tuple(specs)
+
+
+def plugin_ops(graph: onnx.GraphProto) -> tuple[str, ...]:
+    """The custom ops (DESIGN.md §4) a graph uses, sorted."""
+    return tuple(sorted({n.op_type for n in nodes(graph) if n.domain == PLUGIN_DOMAIN}))
+
+
+def op_counts(graph: onnx.GraphProto) -> dict[str, int]:
+    """How often each op occurs; custom-domain ops as "domain::op"."""
+    counts: dict[str, int] = {}
+    for node in nodes(graph):
+        key = f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
+        counts[key] = counts.get(key, 0) + 1
+    return counts

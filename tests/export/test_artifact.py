@@ -1,0 +1,249 @@
+"""export/artifact.py: the artifact directory of DESIGN.md §6 written by `export_model`.
+
+Two real exports (module-scoped): the tiny Llama 3 target alone (`none`) and with its Eagle3 head
+(which uses the target's embedding, so the shared-tensor rule is exercised). The failure and replace
+cases reuse them and patch the stages around the trace, so they cost no extra trace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from export import artifact
+from export.artifact import export_model, read_artifact
+from export.methods import build_step
+from export.spec import NOISE_CHANNELS
+from export.tiny import write_tiny
+from runtime import manifest as io
+from runtime.errors import ArtifactError, ExportError
+from runtime.manifest import Manifest
+
+K = 2
+THINK_START, THINK_END = 300, 301
+
+
+def add_tokenizer_files(target: Path) -> None:
+    """What a real checkpoint ships next to its weights (the tiny writer writes none)."""
+    added = [{"id": THINK_START, "content": "<think>", "special": True},
+             {"id": THINK_END, "content": "</think>", "special": True}]
+    (target / "tokenizer.json").write_text(json.dumps({"version": "1.0", "added_tokens": added}))
+    (target / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
+    (target / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 7]}))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    written = write_tiny(family="llama3", draft="eagle3", out_dir=tmp_path_factory.mktemp("tiny"), seed=0)
+    add_tokenizer_files(written["target"])
+    return written
+
+
+@pytest.fixture(scope="module")
+def artifacts(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("artifacts")
+    return {
+        "none": export_model(checkpoints["target"], method="none", num_speculative_tokens=3,
+                             out_dir=root / "none", progress=False),
+        "eagle3": export_model(checkpoints["target"], checkpoints["draft"], method="eagle3",
+                               num_speculative_tokens=K, out_dir=root / "nested" / "eagle3", progress=False),
+    }
+
+
+def step_of(method: str, checkpoints: dict[str, Path]) -> torch.nn.Module:
+    draft = checkpoints["draft"] if method == "eagle3" else None
+    return build_step(method, checkpoints["target"], draft, k=K)
+
+
+def tree_digest(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+# --- files, checker, weights ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["none", "eagle3"])
+def test_files_pass_the_checker_with_external_weights(artifacts: dict[str, Path], method: str) -> None:
+    path = artifacts[method]
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        [io.MODEL_NAME, io.WEIGHTS_NAME, io.MANIFEST_NAME, "tokenizer.json", "tokenizer_config.json",
+         "generation_config.json"])
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]     # no temp or old dirs left
+    onnx.checker.check_model(str(path / io.MODEL_NAME), full_check=True)
+    model = onnx.load(str(path / io.MODEL_NAME), load_external_data=False)
+    assert model.ir_version == 10
+    assert [(o.domain, o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")] == [("", 24)]
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    weights = [t for t in model.graph.initializer if t.data_type in (1, 10, 16) and np.prod(t.dims) > 1]
+    assert {t.name for t in weights} <= {t.name for t in external}
+    assert all(dict((e.key, e.value) for e in t.external_data)["location"] == io.WEIGHTS_NAME for t in external)
+    lengths = sum(int(dict((e.key, e.value) for e in t.external_data)["length"]) for t in external)
+    assert lengths == (path / io.WEIGHTS_NAME).stat().st_size
+    assert sum(len(t.raw_data) for t in model.graph.initializer) < 4096        # inline: a few scalars and axes
+
+
+def test_shared_target_draft_tensors_are_stored_once(artifacts: dict[str, Path],
+                                                     checkpoints: dict[str, Path]) -> None:
+    step = step_of("eagle3", checkpoints)
+    by_storage = {p.data_ptr(): p for p in step.parameters()}
+    names = [n for n, _ in step.named_parameters(remove_duplicate=False)]
+    assert {"target.embed_tokens.weight", "drafter.embed_tokens.weight"} <= set(names)  # the shared Parameter
+    unique_bytes = sum(p.numel() * p.element_size() for p in by_storage.values())
+    counted_twice = sum(p.numel() * p.element_size() for _, p in step.named_parameters(remove_duplicate=False))
+    buffers = sum(b.numel() * b.element_size() for b in step.buffers())
+    size = (artifacts["eagle3"] / io.WEIGHTS_NAME).stat().st_size
+    assert unique_bytes <= size <= unique_bytes + buffers + 16_384               # folded rope tables etc.
+    assert size < counted_twice - 40_000                                         # the embedding is not doubled
+
+    model = onnx.load(str(artifacts["eagle3"] / io.MODEL_NAME))
+    contents = [(t.data_type, tuple(t.dims), onnx.numpy_helper.to_array(t).tobytes())
+                for t in model.graph.initializer if len(t.raw_data) >= 1024]
+    assert len(contents) == len(set(contents))
+    embedding = step.target.embed_tokens.weight.detach().numpy().tobytes()
+    assert sum(c[2] == embedding for c in contents) == 1
+
+
+def test_eagle3_artifact_runs_in_onnxruntime_like_torch(artifacts: dict[str, Path],
+                                                        checkpoints: dict[str, Path]) -> None:
+    import onnxruntime as ort
+
+    from export.onnx_export import example_feeds
+
+    step = step_of("eagle3", checkpoints)
+    feeds = example_feeds(step, lengths=(1, 5, 2, 3), cache_lengths=(7, 2, 0, 12), block_size=16, vocab=320, seed=1)
+    want = step.run(feeds)
+    session = ort.InferenceSession(str(artifacts["eagle3"] / io.MODEL_NAME), providers=["CPUExecutionProvider"])
+    got = session.run(list(step.output_names), {n: feeds[n].numpy() for n in step.input_names})
+    for name, value in zip(step.output_names, got):
+        assert value.shape == tuple(want[name].shape), name
+        assert np.allclose(value, want[name].numpy(), atol=1e-4), name
+
+
+# --- manifest --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["none", "eagle3"])
+def test_manifest_describes_the_graph(artifacts: dict[str, Path], checkpoints: dict[str, Path], method: str) -> None:
+    path = artifacts[method]
+    manifest = Manifest.load(path)
+    assert Manifest.from_dict(json.loads(manifest.to_json())) == manifest
+    step = step_of(method, checkpoints)
+    assert (manifest.method, manifest.num_speculative_tokens) == (method, step.k)
+    assert (manifest.target_arch, manifest.draft_arch) == ("llama3", "eagle3" if method == "eagle3" else None)
+    assert (manifest.vocab_size, manifest.dtype, manifest.block_size) == (320, "float32", 16)
+    assert (manifest.max_model_len, manifest.max_batch_size, manifest.max_tokens_per_step) == (2048, 16, 512)
+    assert manifest.noise_channels == NOISE_CHANNELS and manifest.structured_output is False
+    assert {p.name: (p.num_layers, p.width) for p in manifest.pools} == step.pool_shapes()
+    assert all(p.delta == io.DELTA_OF_POOL[p.name] and p.dtype == "float32" for p in manifest.pools)
+    assert [t.name for t in manifest.inputs] == list(step.input_names)
+    assert [t.name for t in manifest.outputs] == list(step.output_names)
+
+    graph = onnx.load(str(path / io.MODEL_NAME), load_external_data=False).graph
+    shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in graph.input}
+    specs = {t.name: t for t in manifest.inputs}
+    assert list(specs[io.TOKENS].shape) == shapes[io.TOKENS] == ["num_tokens"]
+    assert specs[io.DRAFT_TOKENS].shape == ("batch", step.k)
+    for pool in manifest.pools:
+        assert specs[pool.name].shape == ("num_blocks", pool.num_layers, 16, pool.width)
+    custom = sorted({n.op_type for n in graph.node if n.domain == "unispec"})
+    assert list(manifest.ops) == custom
+    assert set(custom) <= {"PagedAttention", "PagedMLA", "MoE", "SpecAccept"}            # DESIGN.md §4
+    functions = {(f.domain, f.name) for f in onnx.load(str(path / io.MODEL_NAME), load_external_data=False).functions}
+    assert {("unispec", op) for op in custom} <= functions                                # reference bodies kept
+
+    tokenizer = manifest.tokenizer
+    assert tokenizer.files == ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_ids) == (1, (2, 7))
+    assert (tokenizer.think_start_id, tokenizer.think_end_id) == (THINK_START, THINK_END)
+    assert {"unispec", "torch", "onnx", "onnxscript", "onnxruntime"} <= set(manifest.exporter)
+    assert manifest.exporter["torch"] == torch.__version__
+
+
+def test_read_artifact_refuses_damaged_or_mismatched_dirs(artifacts: dict[str, Path], tmp_path: Path) -> None:
+    view = read_artifact(artifacts["none"])
+    assert view.manifest == Manifest.load(artifacts["none"]) and view.op_counts["Gemm"] >= 1
+    assert all(view.op_counts[f"unispec::{op}"] >= 1 for op in view.manifest.ops)
+    with pytest.raises(ArtifactError, match="no manifest.json"):
+        read_artifact(tmp_path)
+    mismatched = shutil.copytree(artifacts["none"], tmp_path / "mismatched")
+    d = json.loads((mismatched / io.MANIFEST_NAME).read_text())
+    d["inputs"][0]["shape"] = [7]
+    (mismatched / io.MANIFEST_NAME).write_text(json.dumps(d))
+    with pytest.raises(ArtifactError, match="differ from manifest.json"):
+        read_artifact(mismatched)
+    artifacts_copy = shutil.copytree(artifacts["none"], tmp_path / "no-weights")
+    (artifacts_copy / io.WEIGHTS_NAME).unlink()
+    with pytest.raises(ArtifactError, match="model.onnx.data is missing"):
+        read_artifact(artifacts_copy)
+
+
+# --- atomic writes -----------------------------------------------------------------------------------------
+
+def reuse_trace(monkeypatch: pytest.MonkeyPatch, source: Path) -> None:
+    """Make `_trace` return an already exported graph: these tests are about the directory handling."""
+    monkeypatch.setattr(artifact, "_trace", lambda step, trace_dir, *_: (
+        trace_dir.mkdir(), onnx.load(str(source / io.MODEL_NAME)))[1])
+
+
+@pytest.mark.parametrize("stage", ["_trace", "_copy_tokenizer"])
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, ExportError])
+def test_an_interrupted_export_leaves_no_half_artifact(artifacts: dict[str, Path], checkpoints: dict[str, Path],
+                                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        stage: str, interrupt: type[BaseException]) -> None:
+    reuse_trace(monkeypatch, artifacts["none"])
+    real = getattr(artifact, stage)
+
+    def interrupted(*args: object) -> object:
+        real(*args)                                  # the stage writes its files, then the user hits ^C
+        raise interrupt("stop")
+
+    monkeypatch.setattr(artifact, stage, interrupted)
+    previous = shutil.copytree(artifacts["none"], tmp_path / "previous")
+    before = tree_digest(previous)
+    for out in (tmp_path / "fresh", previous):
+        with pytest.raises(interrupt):
+            export_model(checkpoints["target"], method="none", num_speculative_tokens=0, out_dir=out, progress=False)
+    assert not (tmp_path / "fresh").exists()
+    assert tree_digest(previous) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["previous"]           # no .tmp-/.old- siblings
+
+
+def test_reexport_replaces_an_existing_artifact(artifacts: dict[str, Path], checkpoints: dict[str, Path],
+                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = shutil.copytree(artifacts["none"], tmp_path / "art")
+    (out / "stale.txt").write_text("from an older export")
+    reuse_trace(monkeypatch, artifacts["eagle3"])
+    assert export_model(checkpoints["target"], checkpoints["draft"], method="eagle3", num_speculative_tokens=K,
+                        out_dir=out, progress=True) == out
+    assert Manifest.load(out).method == "eagle3"
+    assert not (out / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+    onnx.checker.check_model(str(out / io.MODEL_NAME), full_check=True)
+
+
+def test_refuses_to_replace_a_directory_that_is_not_an_artifact(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="is not a unispec artifact"):
+        export_model(checkpoints["target"], method="none", num_speculative_tokens=0, out_dir=tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"dtype": "int8"}, "--dtype 'int8' is not supported"),
+    ({"block_size": 0}, "--block-size must be >= 1"),
+    ({"max_tokens_per_step": 4, "max_batch_size": 8}, "--max-tokens-per-step"),
+    ({"method": "medusa"}, "unknown method 'medusa'"),
+])
+def test_bad_options_fail_in_one_line_before_writing(checkpoints: dict[str, Path], tmp_path: Path,
+                                                     options: dict[str, object], message: str) -> None:
+    kwargs: dict[str, object] = {"method": "none", "num_speculative_tokens": 0, "out_dir": tmp_path / "out", **options}
+    with pytest.raises(ExportError, match=message) as caught:
+        export_model(checkpoints["target"], **kwargs)  # type: ignore[arg-type]
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())

@@ -1,0 +1,90 @@
+"""runtime/manifest.py: the artifact's self-description round-trips and refuses damaged content in one line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime import manifest as io
+from runtime.errors import ArtifactError
+from runtime.manifest import Manifest, PoolSpec, TensorSpec, TokenizerInfo
+
+
+def sample() -> Manifest:
+    pools = (PoolSpec(name=io.KV_POOL, delta=io.KV_DELTA, num_layers=3, width=64, dtype="bfloat16"),
+             PoolSpec(name=io.DRAFT_KV_POOL, delta=io.DRAFT_KV_DELTA, num_layers=1, width=48, dtype="float32"))
+    inputs = (TensorSpec(name=io.TOKENS, dtype="int64", shape=("num_tokens",)),
+              TensorSpec(name=io.KV_POOL, dtype="bfloat16", shape=("num_blocks", 3, 16, 64)),
+              TensorSpec(name=io.DRAFT_KV_POOL, dtype="float32", shape=("num_blocks", 1, 16, 48)),
+              TensorSpec(name=io.IN_THINKING_PHASE, dtype="bool", shape=("batch",)))
+    outputs = (TensorSpec(name=io.NEXT_DRAFT_TOKENS, dtype="int64", shape=("batch", 2)),)
+    return Manifest(method="eagle3", num_speculative_tokens=2, target_arch="llama3", draft_arch="eagle3",
+                    vocab_size=320, dtype="bfloat16", block_size=16, max_model_len=100, max_batch_size=4,
+                    max_tokens_per_step=64, noise_channels=3, structured_output=True, pools=pools, inputs=inputs,
+                    outputs=outputs, ops=("PagedAttention",),
+                    tokenizer=TokenizerInfo(files=("tokenizer.json",), bos_token_id=1, eos_token_ids=(2, 7),
+                                            think_start_id=300, think_end_id=301),
+                    exporter={"torch": "2.13.0"})
+
+
+def test_write_load_round_trip(tmp_path: Path) -> None:
+    manifest = sample()
+    path = manifest.write(tmp_path)
+    assert path == tmp_path / io.MANIFEST_NAME
+    loaded = Manifest.load(tmp_path)
+    assert loaded == manifest
+    assert isinstance(loaded.inputs[1].shape, tuple) and loaded.inputs[1].shape == ("num_blocks", 3, 16, 64)
+    assert loaded.tokenizer.eos_token_ids == (2, 7) and loaded.ops == ("PagedAttention",)
+    assert json.loads(path.read_text())["format_version"] == io.FORMAT_VERSION
+
+
+def test_geometry_helpers() -> None:
+    manifest = sample()
+    assert manifest.max_blocks_per_row == 7                                   # ceil(100 / 16)
+    assert manifest.pools[0].bytes_per_token() == 3 * 64 * 2
+    assert manifest.kv_bytes_per_token() == 3 * 64 * 2 + 1 * 48 * 4
+
+
+def edited(change: dict[str, Any]) -> dict[str, Any]:
+    d = json.loads(sample().to_json())
+    d.update(change)
+    return d
+
+
+@pytest.mark.parametrize(("d", "message"), [
+    (edited({"format_version": 99}), "format_version 99"),
+    (edited({"colour": "blue"}), "unknown fields \\['colour'\\]"),
+    ({k: v for k, v in edited({}).items() if k != "pools"}, "missing or malformed field"),
+    (edited({"pools": [{"name": "kv_pool"}]}), "missing or malformed field"),
+    (edited({"inputs": [{"name": "tokens", "dtype": "int8", "shape": ["num_tokens"]}]}), "dtype 'int8'"),
+    (edited({"inputs": [{"name": "tokens", "dtype": "int64", "shape": ["num_tokens"]}]}),
+     "pools \\['kv_pool', 'draft_kv_pool'\\] are not graph inputs"),
+])
+def test_damaged_manifests_fail_in_one_line(d: dict[str, Any], message: str) -> None:
+    with pytest.raises(ArtifactError, match=message) as caught:
+        Manifest.from_dict(d)
+    assert "\n" not in str(caught.value)
+
+
+def test_load_refuses_what_is_not_a_manifest(tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match="no manifest.json; not a unispec artifact"):
+        Manifest.load(tmp_path)
+    (tmp_path / io.MANIFEST_NAME).write_text("{broken")
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        Manifest.load(tmp_path)
+    (tmp_path / io.MANIFEST_NAME).write_text("[1, 2]")
+    with pytest.raises(ArtifactError, match="must hold a JSON object"):
+        Manifest.load(tmp_path)
+
+
+def test_specs_validate_dtypes_and_manifests_are_frozen() -> None:
+    with pytest.raises(ArtifactError, match="tensor 'x' has dtype 'float64'"):
+        TensorSpec(name="x", dtype="float64", shape=(1,))
+    manifest = sample()
+    with pytest.raises(AttributeError):
+        manifest.method = "none"  # type: ignore[misc]
+    assert replace(manifest, engine={"plan": "engine.plan"}).engine == {"plan": "engine.plan"}
