@@ -28,6 +28,14 @@ class ArtifactError(UnispecError):
     """An artifact directory is missing, damaged, or does not match what the caller asked for."""
 
 
+class InvalidRequestError(UnispecError):
+    """A generation request (prompt, sampling parameters, pool sizing) cannot be served as given."""
+
+
+class OutOfBlocksError(UnispecError):
+    """The KV pool has too few free blocks for what was asked."""
+
+
 class BackendUnavailableError(UnispecError):
     """A backend's library (TensorRT, onnxruntime-gpu, CUDA) is not installed or finds no device."""
 

@@ -12,8 +12,8 @@ __version__ = "0.1.0"
 
 # public name -> (module, attribute, issue that delivers it)
 _PUBLIC: dict[str, tuple[str, str, int]] = {
-    "LLM": ("runtime.llm", "LLM", 7),
-    "SamplingParams": ("runtime.sampling_params", "SamplingParams", 7),
+    "LLM": ("runtime.llm", "LLM", 6),
+    "SamplingParams": ("runtime.sampling_params", "SamplingParams", 6),
     "export_model": ("export.artifact", "export_model", 6),
     "build_engine": ("engines.build", "build_engine", 8),
 }

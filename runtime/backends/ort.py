@@ -1,0 +1,153 @@
+"""ONNX Runtime backend: one session, IO binding over persistent host memory (DESIGN.md §7).
+
+What is bound when:
+  - pools: once. Each pool is a numpy array [num_blocks, L, block_size, W] wrapped in a CPU OrtValue
+    that shares its memory, so `commit` writes straight into what the next step reads (no copy).
+  - per-step inputs: every step, by address. Feeds that are views of the host loop's
+    PersistentInputBuffers bind as they are; any other feed is first copied into this backend's own.
+  - outputs: every step, into preallocated max-size host buffers (shapes follow the step's B and S).
+Measured on CPU (reference/feasibility.md §5): static binding of persistent OrtValues beats `session.run`;
+re-binding the pools every step is slower, which is why they are bound once.
+
+On CUDA the pools stay in host memory and ORT copies them to the device each step: correct, not fast.
+Device-resident pools with a device-side commit come with the full runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime import manifest as io
+from runtime.backend import PersistentInputBuffers, numpy_dtype, shape_of, step_bounds
+from runtime.errors import ArtifactError, BackendUnavailableError, UnispecError
+
+__all__ = ["OrtBackend", "default_providers"]
+
+_BFLOAT16_ONNX_TYPE = 16   # TensorProto.BFLOAT16: numpy has no native bfloat16 for ORT to recognise
+
+
+def _ort() -> Any:
+    try:
+        import onnxruntime
+    except ImportError:
+        raise BackendUnavailableError("backend 'ort' needs onnxruntime; pip install onnxruntime "
+                                      "(or onnxruntime-gpu)") from None
+    return onnxruntime
+
+
+def default_providers() -> list[str]:
+    """CUDA first when onnxruntime-gpu sees a GPU, CPU always last (ORT falls back to it per node)."""
+    available = _ort().get_available_providers()
+    cuda = ["CUDAExecutionProvider"] if "CUDAExecutionProvider" in available else []
+    return [*cuda, "CPUExecutionProvider"]
+
+
+def _element_type(dtype: np.dtype) -> Any:
+    return _BFLOAT16_ONNX_TYPE if dtype.name == "bfloat16" else dtype.type
+
+
+class OrtBackend:
+    """Runs one artifact's step graph in ONNX Runtime; owns its KV pools."""
+
+    def __init__(self, artifact_dir: str | Path, manifest: io.Manifest, *, num_blocks: int,
+                 providers: Sequence[str] | None = None, num_threads: int | None = None) -> None:
+        if num_blocks < 1:
+            raise UnispecError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.manifest, self.num_blocks = manifest, num_blocks
+        self.session = _open_session(Path(artifact_dir), manifest, providers, num_threads)
+        pool_names = {p.name for p in manifest.pools}
+        self._step_specs = tuple(s for s in manifest.inputs if s.name not in pool_names)
+        bounds = step_bounds(manifest)
+        self._own_inputs = PersistentInputBuffers(self._step_specs, bounds)   # for feeds we cannot bind as given
+        self._outputs = PersistentInputBuffers(manifest.outputs, bounds)      # same mechanics, for outputs
+        self._binding = self.session.io_binding()
+        self.pools = {p.name: np.zeros((num_blocks, p.num_layers, manifest.block_size, p.width),
+                                       dtype=numpy_dtype(p.dtype)) for p in manifest.pools}
+        ort = _ort()
+        # OrtValues over the pools' memory; kept alive here because the binding only references them.
+        self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(pool) for name, pool in self.pools.items()}
+        for name, value in self._pool_values.items():
+            self._binding.bind_ortvalue_input(name, value)
+
+    @property
+    def providers(self) -> list[str]:
+        return list(self.session.get_providers())
+
+    def input_specs(self) -> tuple[io.TensorSpec, ...]:
+        return self._step_specs
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        missing = [s.name for s in self._step_specs if s.name not in feeds]
+        if missing:
+            raise UnispecError(f"step feeds lack {missing}; a backend's run needs every input of input_specs()")
+        for spec in self._step_specs:
+            self._bind_input(spec, feeds[spec.name])
+        env = _step_env(feeds, self.manifest)
+        outputs = {}
+        for spec in self.manifest.outputs:
+            outputs[spec.name] = view = self._outputs.view(spec.name, shape_of(spec, env))
+            self._binding.bind_output(spec.name, "cpu", 0, _element_type(view.dtype), view.shape,
+                                      view.ctypes.data)
+        self.session.run_with_iobinding(self._binding)
+        return outputs
+
+    def _bind_input(self, spec: io.TensorSpec, feed: np.ndarray) -> None:
+        dtype = numpy_dtype(spec.dtype)
+        feed = np.asarray(feed)
+        if feed.dtype != dtype or not feed.flags.c_contiguous:
+            own = self._own_inputs.view(spec.name, feed.shape)
+            own[...] = feed
+            feed = own
+        self._binding.bind_input(spec.name, "cpu", 0, _element_type(dtype), feed.shape, feed.ctypes.data)
+
+    def commit(self, outputs: Mapping[str, np.ndarray], slots: np.ndarray, rows: np.ndarray) -> None:
+        slots, rows = np.asarray(slots, dtype=np.int64), np.asarray(rows, dtype=np.int64)   # [N], [N]
+        blocks, offsets = np.divmod(slots, self.manifest.block_size)                        # [N], [N]
+        for pool in self.manifest.pools:
+            # advanced indices around a slice: the indexed view is [N, L, W], as delta[rows] is
+            self.pools[pool.name][blocks, :, offsets] = outputs[pool.delta][rows]
+
+
+def _step_env(feeds: Mapping[str, np.ndarray], manifest: io.Manifest) -> dict[str, int]:
+    """The step's dynamic dims, read off the feeds (names as the exporter writes them)."""
+    table = feeds[io.BLOCK_TABLE]
+    return {"num_tokens": int(feeds[io.TOKENS].shape[0]), "batch": int(table.shape[0]),
+            "max_blocks": int(table.shape[1])}
+
+
+def _open_session(artifact_dir: Path, manifest: io.Manifest, providers: Sequence[str] | None,
+                  num_threads: int | None) -> Any:
+    ort = _ort()
+    model = artifact_dir / manifest.model_file
+    if not model.is_file():
+        raise ArtifactError(f"{artifact_dir}: no {manifest.model_file}; the artifact is damaged, re-export it")
+    if manifest.weights_file and not (artifact_dir / manifest.weights_file).is_file():
+        raise ArtifactError(f"{artifact_dir}: no {manifest.weights_file} (the model's weights); the artifact "
+                            "is damaged, re-export it")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if num_threads is not None:
+        options.intra_op_num_threads = num_threads
+    try:
+        session = ort.InferenceSession(str(model), options, providers=list(providers or default_providers()))
+    except Exception as exc:   # ORT raises its own Fail / InvalidProtobuf / NoSuchFile classes
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ArtifactError(f"{model}: ONNX Runtime cannot load it ({first_line}); the artifact is damaged, "
+                            "re-export it") from None
+    _check_io(session, manifest, model)
+    return session
+
+
+def _check_io(session: Any, manifest: io.Manifest, model: Path) -> None:
+    graph_inputs = {i.name for i in session.get_inputs()}
+    graph_outputs = {o.name for o in session.get_outputs()}
+    listed_inputs = {t.name for t in manifest.inputs}
+    listed_outputs = {t.name for t in manifest.outputs}
+    if graph_inputs != listed_inputs or graph_outputs != listed_outputs:
+        diff = sorted(graph_inputs ^ listed_inputs) + sorted(graph_outputs ^ listed_outputs)
+        raise ArtifactError(f"{model}: graph inputs/outputs differ from manifest.json ({diff}); the artifact "
+                            "is damaged, re-export it")

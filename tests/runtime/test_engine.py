@@ -1,0 +1,180 @@
+"""The runtime's host loop on ONNX Runtime against the torch reference loop (export/generate.py).
+
+For every method whose builder exists: same requests (mixed prompt lengths, one joining at step 5,
+chunked prefill), same per-request seeds -> identical tokens, greedy and seeded sampling, 64 new tokens
+each; the step outputs the engine saw equal torch's on the same feeds (deltas within 1e-4); greedy
+speculative output equals the same target's `none` artifact output.
+
+Fast: llama3 `none` and llama3 `eagle3`. Every other case is `slow` (one export each, 20-60 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from export.generate import Request, StepGeometry, generate
+from export.methods import METHODS
+from runtime import manifest as io
+from runtime.backends.ort import OrtBackend
+from runtime.engine import Engine, RequestOutput
+from runtime.errors import InvalidRequestError
+from runtime.manifest import Manifest
+from runtime.sampling_params import SamplingParams
+from tests.runtime.artifacts import CASES, METHOD_OF_DRAFT, TinyArtifact
+
+NEW_TOKENS = 64
+NUM_BLOCKS = 256
+PREFILL_CHUNK = 8
+SHAPES = [(13, 0), (6, 0), (21, 0), (9, 5)]      # (prompt length, arrival step): several blocks of 4
+RECORDED_STEPS = (0, 1, 2, 3, 6, 12)             # prefill chunks, the join at step 5, decode
+FAST = ("llama3-none", "llama3-eagle3")
+
+
+def _builder_exists(case: str) -> bool:
+    draft = CASES[case][1]
+    module, name = METHODS[METHOD_OF_DRAFT.get(draft, draft)].builder.split(":")
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except ImportError:
+        return False
+
+
+def _params(case: str) -> pytest.param:
+    marks = [] if case in FAST else [pytest.mark.slow]
+    if not _builder_exists(case):
+        marks.append(pytest.mark.skip(reason=f"{case}: the method's step builder has not landed"))
+    return pytest.param(case, marks=marks, id=case)
+
+
+ALL_CASES = [_params(c) for c in CASES]
+SPECULATIVE_CASES = [_params(c) for c in CASES if not c.endswith("-none")]
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, vocab - 1, n).tolist() for n, _ in SHAPES]
+
+
+def _sampling(sampled: bool, i: int) -> dict:
+    return dict(temperature=0.8, top_p=0.9, seed=1000 + i) if sampled else dict(temperature=0.0, seed=i)
+
+
+def _reference(art: TinyArtifact, manifest: Manifest, sampled: bool) -> list[list[int]]:
+    requests = [Request(prompt=p, max_new_tokens=NEW_TOKENS, arrival_step=a, **_sampling(sampled, i))
+                for i, (p, (_, a)) in enumerate(zip(_prompts(manifest.vocab_size), SHAPES))]
+    geometry = StepGeometry(k=art.step.k, pools=art.step.pool_shapes(), noise_channels=manifest.noise_channels,
+                            block_size=manifest.block_size, num_blocks=NUM_BLOCKS, max_batch=manifest.max_batch_size,
+                            prefill_chunk=PREFILL_CHUNK)
+    return [g.tokens for g in generate(art.step.run, geometry, requests)]
+
+
+class Recorder:
+    """Wraps a backend; keeps (feeds, pools before the step, outputs) of the chosen steps."""
+
+    def __init__(self, inner: OrtBackend, steps: tuple[int, ...]) -> None:
+        self.inner, self.steps, self.records, self.count = inner, steps, [], 0
+        self.manifest, self.num_blocks, self.pools = inner.manifest, inner.num_blocks, inner.pools
+
+    def input_specs(self) -> tuple[io.TensorSpec, ...]:
+        return self.inner.input_specs()
+
+    def run(self, feeds):
+        before = {n: p.copy() for n, p in self.pools.items()} if self.count in self.steps else None
+        outputs = self.inner.run(feeds)
+        if before is not None:
+            self.records.append(({n: v.copy() for n, v in feeds.items()}, before,
+                                 {n: v.copy() for n, v in outputs.items()}))
+        self.count += 1
+        return outputs
+
+    def commit(self, outputs, slots, rows) -> None:
+        self.inner.commit(outputs, slots, rows)
+
+
+def run_engine(backend, sampled: bool) -> list[RequestOutput]:
+    """The reference's schedule through the runtime: request i joins at its arrival step."""
+    engine = Engine(backend, prefill_chunk=PREFILL_CHUNK)
+    prompts, done, step = _prompts(backend.manifest.vocab_size), {}, 0
+    pending = sorted(range(len(prompts)), key=lambda i: SHAPES[i][1])
+    while pending or engine.has_unfinished():
+        while pending and SHAPES[pending[0]][1] <= step:
+            i = pending.pop(0)
+            params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, **_sampling(sampled, i))
+            engine.add_request(prompts[i], params, request_id=i)
+        for out in engine.step():
+            done[out.request_id] = out
+        step += 1
+    assert engine.blocks.num_free == NUM_BLOCKS, "finished requests must give every block back"
+    return [done[i] for i in range(len(prompts))]
+
+
+def _backend(art: TinyArtifact) -> OrtBackend:
+    return OrtBackend(art.path, Manifest.load(art.path), num_blocks=NUM_BLOCKS)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_tokens_equal_the_torch_reference(case: str, sampled: bool, tiny_artifact) -> None:
+    art = tiny_artifact(case)
+    backend = _backend(art)
+    want = _reference(art, backend.manifest, sampled)
+    got = run_engine(backend, sampled)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert len(g.token_ids) == NEW_TOKENS and g.finish_reason == "length"
+        assert g.token_ids == w, f"request {i}: ORT runtime diverges from the torch reference"
+        assert len(g.metrics.accepted_per_step) == g.metrics.num_steps - (1 + (SHAPES[i][0] - 1) // PREFILL_CHUNK)
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_step_outputs_equal_torch_on_the_same_feeds(case: str, tiny_artifact) -> None:
+    art = tiny_artifact(case)
+    recorder = Recorder(_backend(art), RECORDED_STEPS)
+    run_engine(recorder, sampled=True)
+    assert len(recorder.records) == len(RECORDED_STEPS)
+    for feeds, pools, outputs in recorder.records:
+        torch_feeds = {n: torch.from_numpy(v) for n, v in {**feeds, **pools}.items()}
+        want = art.step.run(torch_feeds)
+        for name, value in outputs.items():
+            expected = want[name].numpy()
+            assert value.shape == expected.shape, name
+            if expected.dtype.kind in "iub":
+                assert np.array_equal(value, expected), name
+            else:
+                assert np.abs(value - expected).max() <= 1e-4, name
+
+
+@pytest.mark.parametrize("case", SPECULATIVE_CASES)
+def test_greedy_speculative_equals_target_only(case: str, tiny_artifact) -> None:
+    art = tiny_artifact(case)
+    baseline = tiny_artifact(f"{art.family}-none")
+    want = [o.token_ids for o in run_engine(_backend(baseline), sampled=False)]
+    got = run_engine(_backend(art), sampled=False)
+    assert [o.token_ids for o in got] == want
+    k = art.step.k
+    for out in got:
+        m = out.metrics
+        assert len(m.acceptance_per_position) == k
+        assert m.mean_accepted_length == pytest.approx(1 + np.mean(m.accepted_per_step))
+        assert all(0 <= a <= k for a in m.accepted_per_step)
+
+
+def test_a_small_pool_and_short_chunks_queue_requests_without_changing_greedy_tokens(tiny_artifact) -> None:
+    """30 blocks hold one long request at a time: the others wait for blocks, then join; no error."""
+    art = tiny_artifact("llama3-eagle3")
+    want = [o.token_ids for o in run_engine(_backend(art), sampled=False)]
+    engine = Engine(OrtBackend(art.path, Manifest.load(art.path), num_blocks=30), prefill_chunk=5)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in _prompts(engine.manifest.vocab_size)]
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request([1, 2], params, request_id=ids[0])
+    done, most_running = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out.token_ids
+        most_running = max(most_running, len(engine.running))
+    assert [done[i] for i in ids] == want
+    assert most_running < len(ids) and engine.blocks.num_free == 30

@@ -1,0 +1,177 @@
+"""LLM: strings and id lists in, tokens + text + metrics out; stop conditions; pool sizing; one-line
+errors for bad requests (after which the LLM still serves) and for damaged artifacts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from runtime import manifest as io
+from runtime.errors import ArtifactError, InvalidRequestError, UnispecError
+from runtime.llm import LLM
+from runtime.sampling_params import SamplingParams
+
+CASE = "llama3-eagle3"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _tokenizer(vocab_size: int) -> Tokenizer:
+    """Word-level: "w<id>" is token <id>; 0-2 are special (<unk>, <s>, </s>) and vanish from decoded text."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return tokenizer
+
+
+def _copy(source, target, *, tokenizer: bool = True, eos: tuple[int, ...] | None = None):
+    shutil.copytree(source, target)
+    d = json.loads((target / io.MANIFEST_NAME).read_text())
+    if tokenizer:
+        _tokenizer(d["vocab_size"]).save(str(target / "tokenizer.json"))
+    else:
+        (target / "tokenizer.json").unlink(missing_ok=True)
+    if eos is not None:
+        d["tokenizer"]["eos_token_ids"] = list(eos)
+        (target / io.MANIFEST_NAME).write_text(json.dumps(d))
+    return target
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_artifact, tmp_path_factory):
+    return _copy(tiny_artifact(CASE).path, tmp_path_factory.mktemp("llm") / "artifact")
+
+
+@pytest.fixture(scope="module")
+def llm(artifact) -> LLM:
+    return LLM(artifact, num_blocks=128)
+
+
+def test_strings_and_id_lists_give_tokens_text_and_metrics(llm: LLM) -> None:
+    outs = llm.generate(["w5 w17 w33 w64", [9, 8, 7, 6, 5, 4, 3]], GREEDY)
+    assert outs[0].prompt_token_ids == [5, 17, 33, 64] and outs[1].prompt_token_ids == [9, 8, 7, 6, 5, 4, 3]
+    for out in outs:
+        assert len(out.token_ids) == 12 and out.finish_reason == "length"
+        assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        m = out.metrics
+        assert m.num_generated == 12 and m.tokens_per_s > 0 and m.elapsed_s > 0
+        assert len(m.acceptance_per_position) == llm.manifest.num_speculative_tokens
+        assert sum(a + 1 for a in m.accepted_per_step) >= 11      # the first token comes from the prefill
+    assert llm.engine.blocks.num_free == llm.num_blocks
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(llm: LLM) -> None:
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=7, ignore_eos=True)
+    alone = llm.generate([[11, 12, 13]], sampled)[0].token_ids
+    batch = llm.generate([[40, 41], [11, 12, 13], [90] * 9],
+                         [SamplingParams(temperature=1.0, seed=1), sampled, GREEDY])
+    assert batch[1].token_ids == alone
+    assert llm.generate([[11, 12, 13]], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=8,
+                                                       ignore_eos=True))[0].token_ids != alone
+
+
+def _first_new_token(tokens: list[int], start: int = 3) -> int:
+    """Index of the first token at or after `start` that does not occur earlier."""
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+def test_stop_token_ids_and_stop_strings(llm: LLM) -> None:
+    prompt = [21, 22, 23, 24, 25]
+    full = llm.generate([prompt], GREEDY)[0].token_ids
+    i = _first_new_token(full)
+    stop_id = SamplingParams(temperature=0.0, max_tokens=12, stop=[full[i]], ignore_eos=True)
+    by_id = llm.generate([prompt], stop_id)[0]
+    assert by_id.token_ids == full[:i + 1] and by_id.finish_reason == "stop"
+    assert by_id.text == llm.tokenizer.decode(full[:i])
+    # a stop string that first shows up with token j (not as a prefix of an earlier word)
+    j = next(j for j in range(3, len(full)) if f"w{full[j]}" not in llm.tokenizer.decode(full[:j]))
+    stop_string = SamplingParams(temperature=0.0, max_tokens=12, stop=f"w{full[j]}", ignore_eos=True)
+    by_string = llm.generate([prompt], stop_string)[0]
+    assert by_string.finish_reason == "stop" and by_string.token_ids == full[:j + 1]
+    assert by_string.text == llm.tokenizer.decode(full[:j]) + " "    # everything before the stop string
+
+
+def test_eos_stops_unless_ignored(artifact, tmp_path) -> None:
+    prompt = [30, 31, 32]
+    full = LLM(artifact, num_blocks=64).generate([prompt], GREEDY)[0].token_ids
+    i = _first_new_token(full)
+    llm = LLM(_copy(artifact, tmp_path / "eos", tokenizer=False, eos=(full[i],)), num_blocks=64)
+    stopped = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0]
+    assert stopped.token_ids == full[:i + 1] and stopped.finish_reason == "stop" and stopped.text == ""
+    assert llm.generate([prompt], GREEDY)[0].token_ids == full
+
+
+def _bad_requests(llm: LLM) -> list[tuple[object, object, str]]:
+    too_long = [5] * llm.manifest.max_model_len
+    return [
+        ([[]], None, "prompt 0 is empty"), ([""], None, "prompt 0 is empty"), ([], None, "prompts is empty"),
+        ([[5, llm.manifest.vocab_size]], None, f"[0, {llm.manifest.vocab_size})"),
+        ([[5, 6], [-1]], None, "prompt 1 token 0 is -1"), ([too_long], None, "max_model_len"),
+        ([[5], [6]], [GREEDY], "one per prompt (2)"), ([[5]], [GREEDY, GREEDY], "one per prompt (1)"),
+        ([[5] * 40], SamplingParams(max_tokens=80), "KV blocks"),
+    ]
+
+
+def test_bad_requests_fail_in_one_line_and_the_llm_keeps_serving(artifact) -> None:
+    llm = LLM(artifact, num_blocks=24)                    # 24 blocks of 4: a 40 + 80 token request cannot fit
+    want = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    for prompts, params, fragment in _bad_requests(llm):
+        with pytest.raises(InvalidRequestError) as info:
+            llm.generate(prompts, params)
+        assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
+        assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 24
+    with pytest.raises(InvalidRequestError, match=r"^SamplingParams.top_p=1.5 is invalid; use a float in \(0, 1\]"):
+        llm.generate([[5, 6, 7]], SamplingParams(top_p=1.5))
+    assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids == want
+
+
+def test_strings_need_a_tokenizer(tiny_artifact) -> None:
+    llm = LLM(tiny_artifact(CASE).path, num_blocks=64)
+    assert llm.tokenizer is None
+    with pytest.raises(InvalidRequestError, match="no tokenizer.json; pass token ids"):
+        llm.generate(["hello"])
+    assert llm.generate([[1, 2]], GREEDY)[0].text == ""
+
+
+def test_pool_sizing_from_a_byte_budget(artifact) -> None:
+    m = io.Manifest.load(artifact)
+    block_bytes = m.kv_bytes_per_token() * m.block_size
+    per_row = -(-(m.max_model_len + 2 * m.num_speculative_tokens + 1) // m.block_size)
+    llm = LLM(artifact, kv_memory_bytes=(per_row + 3) * block_bytes + 5)
+    assert llm.num_blocks == per_row + 3
+    assert all(p.shape[0] == llm.num_blocks for p in llm.backend.pools.values())
+    assert LLM(artifact).num_blocks == min(256 * 2**20 // block_bytes, m.max_batch_size * per_row)
+    with pytest.raises(InvalidRequestError, match="raise kv_memory_bytes or pass num_blocks"):
+        LLM(artifact, kv_memory_bytes=block_bytes * (per_row - 1))
+
+
+@pytest.mark.parametrize("damage", ["no dir", "bad json", "no model", "no weights", "bad tokenizer"])
+def test_damaged_artifacts_fail_in_one_line(damage: str, artifact, tmp_path) -> None:
+    path = _copy(artifact, tmp_path / "copy", tokenizer=True)
+    manifest = json.loads((path / io.MANIFEST_NAME).read_text())
+    if damage == "no dir":
+        path = tmp_path / "missing"
+    elif damage == "bad json":
+        (path / io.MANIFEST_NAME).write_text('{"method": "none",')
+    elif damage == "no model":
+        (path / io.MODEL_NAME).unlink()
+    elif damage == "no weights":
+        if not manifest.get("weights_file"):
+            manifest["weights_file"] = io.WEIGHTS_NAME            # an artifact that says it has them
+            (path / io.MANIFEST_NAME).write_text(json.dumps(manifest))
+        (path / io.WEIGHTS_NAME).unlink(missing_ok=True)
+    else:
+        (path / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(ArtifactError) as info:
+        LLM(path, num_blocks=8)
+    assert "\n" not in str(info.value) and isinstance(info.value, UnispecError)
+
+
+def test_the_facade_exports_these_classes() -> None:
+    import unispec
+    from runtime.sampling_params import SamplingParams as Params
+
+    assert unispec.LLM is LLM and unispec.SamplingParams is Params
