@@ -7,11 +7,13 @@ UNISPEC := $(VENV)/bin/unispec
 STAMP := $(VENV)/.unispec-installed
 PYTEST_FAST := -m "not slow and not gpu and not trt"
 
-# make export TARGET=dir [DRAFT=dir] METHOD=mtp K=3 OUT=artifacts/x
+# make export TARGET=dir [DRAFT=dir] METHOD=mtp K=3 OUT=artifacts/x [DTYPE=float16] [EXPORT_ARGS="--block-size 8"]
 TARGET ?=
 DRAFT ?=
 METHOD ?= none
 K ?= 3
+DTYPE ?= float32
+EXPORT_ARGS ?=
 OUT ?= artifacts/$(METHOD)
 ART ?= $(OUT)
 
@@ -42,7 +44,7 @@ demo: install
 export: install
 	@test -n "$(TARGET)" || { echo "usage: make export TARGET=dir [DRAFT=dir] METHOD=m K=n OUT=dir"; exit 2; }
 	$(UNISPEC) export --target $(TARGET) $(if $(DRAFT),--draft $(DRAFT)) --method $(METHOD) \
-		--num-speculative-tokens $(K) --out $(OUT)
+		--num-speculative-tokens $(K) --dtype $(DTYPE) --out $(OUT) $(EXPORT_ARGS)
 
 engines: install
 	$(UNISPEC) build $(ART)
