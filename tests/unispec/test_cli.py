@@ -18,7 +18,7 @@ def test_help_lists_every_command() -> None:
 
 
 @pytest.mark.parametrize("argv", [["build", "x"], ["run", "x", "--prompt", "hi"], ["bench", "x"],
-                                  ["compare", "x"], ["demo"]])
+                                  ["compare", "x"]])
 def test_unfinished_commands_fail_in_one_line(argv: list[str]) -> None:
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 1
@@ -32,3 +32,11 @@ def test_facade_reports_unlanded_api() -> None:
     assert unispec.__version__
     with pytest.raises(AttributeError):
         unispec.does_not_exist  # noqa: B018
+
+
+def test_demo_runs_the_pipeline_and_checks_losslessness(tmp_path) -> None:
+    """`make demo`'s command: tiny Llama 3 + DFlash exported, generated on ORT, equal to target-only."""
+    result = CliRunner().invoke(main, ["demo", "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("yes") == 3 and "NO" not in result.output
+    assert (tmp_path / "llama3-dflash" / "manifest.json").is_file()
