@@ -247,3 +247,31 @@ def test_bad_options_fail_in_one_line_before_writing(checkpoints: dict[str, Path
         export_model(checkpoints["target"], **kwargs)  # type: ignore[arg-type]
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+# --- third-party tools ---------------------------------------------------------------------------------------
+
+def test_polygraphy_inspects_and_runs_an_artifact(artifacts: dict[str, Path], checkpoints: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    """`polygraphy inspect model` and `polygraphy run --onnxrt` work on an artifact (valid feeds via a loader)."""
+    import subprocess
+    import sys
+
+    from export.onnx_export import example_feeds
+
+    feeds = example_feeds(step_of("eagle3", checkpoints), block_size=16, vocab=320, seed=2)
+    np.savez(tmp_path / "feeds.npz", **{name: value.numpy() for name, value in feeds.items()})
+    loader = tmp_path / "loader.py"
+    loader.write_text("import numpy as np\n\ndef load_data():\n"
+                      f"    data = np.load({str(tmp_path / 'feeds.npz')!r})\n"
+                      "    yield {name: data[name] for name in data.files}\n")
+    polygraphy = Path(sys.executable).parent / "polygraphy"
+    model = str(artifacts["eagle3"] / io.MODEL_NAME)
+    inspected = subprocess.run([str(polygraphy), "inspect", "model", model, "--show", "layers"],
+                               capture_output=True, text=True)
+    assert inspected.returncode == 0, inspected.stderr
+    assert "PagedAttention" in inspected.stdout and "SpecAccept" in inspected.stdout
+    ran = subprocess.run([str(polygraphy), "run", model, "--onnxrt", "--data-loader-script", str(loader),
+                          "--save-outputs", str(tmp_path / "out.json")], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    assert "PASSED" in ran.stdout + ran.stderr and (tmp_path / "out.json").is_file()
