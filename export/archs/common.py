@@ -6,12 +6,17 @@ Conventions (DESIGN.md §3): `tokens`/`positions` are [S] (all rows concatenated
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
 import torch
 from torch import nn
 
 from plugins.paged_attention.reference import row_ids_of
 
-__all__ = ["RMSNorm", "gather_pool", "last_n_indices", "rms_norm", "row_ids_of", "scatter_rows"]
+M = TypeVar("M", bound=nn.Module)
+
+__all__ = ["RMSNorm", "adopt_weights", "gather_pool", "last_n_indices", "rms_norm", "row_ids_of", "scatter_rows"]
 
 
 def gather_pool(kv_pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -70,3 +75,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+def adopt_weights(factory: Callable[[], M], state: Mapping[str, torch.Tensor], *,
+                  dtype: torch.dtype | None = None) -> M:
+    """`factory()` built on the meta device, then given `state`'s tensors (floating ones cast to `dtype`):
+    checkpoint weights are never held twice. Loading is strict; returns the module in eval mode."""
+    if dtype is not None:
+        state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
+    with torch.device("meta"):
+        module = factory()
+    module.load_state_dict(state, assign=True)
+    return module.eval()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from export.archs.common import gather_pool, last_n_indices
+from export.archs.common import adopt_weights, gather_pool, last_n_indices
 from export.archs.deepseek_v3.config import DeepseekV3Config
 from export.archs.deepseek_v3.mla import DeepseekRope, MultiLatentAttention, RMSNorm
 from export.archs.deepseek_v3.moe import DeepseekMoE, SiluMLP
@@ -83,13 +83,8 @@ class DeepseekV3Target(nn.Module):
                         capture_layers: Sequence[int] = (), dtype: torch.dtype | None = None,
                         absorb: bool = True) -> Self:
         """Build on the meta device and adopt the adapted tensors, so weights are never held twice."""
-        with torch.device("meta"):
-            model = cls(config, num_logits=num_logits, capture_layers=capture_layers, absorb=absorb)
-        state = adapt_target(source, config)
-        if dtype is not None:
-            state = {k: t.to(dtype) for k, t in state.items()}
-        model.load_state_dict(state, assign=True)
-        return model.eval()
+        return adopt_weights(lambda: cls(config, num_logits=num_logits, capture_layers=capture_layers, absorb=absorb),
+                             adapt_target(source, config), dtype=dtype)
 
     def pool_shapes(self) -> dict[str, tuple[int, int]]:
         """(layers, width) of each pool this target reads: one latent row per layer."""

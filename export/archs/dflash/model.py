@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from export.archs import config_from_hf
+from export.archs.common import adopt_weights
 from export.archs.dflash.config import SLIDING, DFlashConfig
 from export.archs.dflash.weights import adapt_dflash
 from export.archs.llama3.config import LlamaLayerConfig
@@ -108,13 +109,8 @@ class DFlashDrafter(PagedDrafter):
     @classmethod
     def from_checkpoint(cls, config: DFlashConfig, source: Mapping[str, torch.Tensor], *, num_taps: int,
                         dtype: torch.dtype | None = None) -> Self:
-        with torch.device("meta"):
-            model = cls(config, num_taps=num_taps)
-        state = adapt_dflash(source, config, num_taps)
-        if dtype is not None:
-            state = {k: t.to(dtype) for k, t in state.items()}
-        model.load_state_dict(state, assign=True)
-        return model.eval()
+        return adopt_weights(lambda: cls(config, num_taps=num_taps), adapt_dflash(source, config, num_taps),
+                             dtype=dtype)
 
     def share_target(self, embedding: nn.Parameter, head: nn.Parameter) -> None:
         """Use the target's embedding [V, H] and lm_head [V, H] parameters themselves."""

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from export.archs import find_arch
+from export.archs.common import adopt_weights
 from export.archs.deepseek_v3.config import MLAConfig
 from export.archs.deepseek_v3.mla import DeepseekRope, MultiLatentAttention
 from export.archs.deepseek_v3.moe import SiluMLP
@@ -109,11 +110,8 @@ class Eagle3Drafter(PagedDrafter):
         state = adapt_eagle3(source, config)
         if dtype is not None:
             state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
-        with torch.device("meta"):
-            model = cls(config, embed_tokens)
-        # The shared embedding is passed through unchanged, so loading is strict for everything else.
-        model.load_state_dict({**state, "embed_tokens.weight": embed_tokens.weight}, assign=True)
-        return model.eval()
+        # The shared embedding is passed through unchanged (not cast), so loading is strict for everything else.
+        return adopt_weights(lambda: cls(config, embed_tokens), {**state, "embed_tokens.weight": embed_tokens.weight})
 
     @property
     def head_kind(self) -> str:

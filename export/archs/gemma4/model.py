@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from export.archs.common import RMSNorm, gather_pool, last_n_indices
+from export.archs.common import RMSNorm, adopt_weights, gather_pool, last_n_indices
 from export.archs.gemma4.config import FULL, LAYER_TYPES, SLIDING, Gemma4RopeConfig, Gemma4TextConfig
 from export.archs.gemma4.weights import adapt_gemma4
 from plugins.paged_attention.op import paged_attention
@@ -185,13 +185,8 @@ class Gemma4Target(nn.Module):
     def from_checkpoint(cls, cfg: Gemma4TextConfig, source: Mapping[str, torch.Tensor], *, num_logits: int = 1,
                         capture_layers: Sequence[int] = (), dtype: torch.dtype | None = None) -> Self:
         """Build on the meta device and adopt the adapted tensors, so weights are never held twice."""
-        with torch.device("meta"):
-            model = cls(cfg, num_logits=num_logits, capture_layers=capture_layers)
-        state = adapt_gemma4(source, cfg)
-        if dtype is not None:
-            state = {k: t.to(dtype) for k, t in state.items()}
-        model.load_state_dict(state, assign=True)
-        return model.eval()
+        return adopt_weights(lambda: cls(cfg, num_logits=num_logits, capture_layers=capture_layers),
+                             adapt_gemma4(source, cfg), dtype=dtype)
 
     def pool_shapes(self) -> dict[str, tuple[int, int]]:
         return pool_shapes(self.config)

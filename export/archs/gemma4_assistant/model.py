@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from export.archs.common import RMSNorm, gather_pool, row_ids_of, scatter_rows
+from export.archs.common import RMSNorm, adopt_weights, gather_pool, row_ids_of, scatter_rows
 from export.archs.gemma4.config import FULL, LAYER_TYPES, SLIDING, Gemma4AttentionConfig, Gemma4TextConfig
 from export.archs.gemma4.model import POOL_NAMES, Gemma4MLP, apply_rope, rope_inv_freq
 from export.archs.gemma4_assistant.config import Gemma4AssistantConfig
@@ -142,11 +142,9 @@ class Gemma4Assistant(Drafter):
         state = adapt_gemma4_assistant(source, cfg)
         if dtype is not None:
             state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in state.items()}
-        with torch.device("meta"):
-            model = cls(cfg, target_embed, target)
-        # The shared embedding is passed through unchanged, so loading is strict for everything else.
-        model.load_state_dict({**state, "target_embed.weight": target_embed.weight}, assign=True)
-        return model.eval()
+        # The shared embedding is passed through unchanged (not cast), so loading is strict for everything else.
+        return adopt_weights(lambda: cls(cfg, target_embed, target),
+                             {**state, "target_embed.weight": target_embed.weight})
 
     def pool_shapes(self) -> dict[str, tuple[int, int]]:
         return {}

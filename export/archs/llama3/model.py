@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from export.archs.common import RMSNorm, gather_pool, last_n_indices
+from export.archs.common import RMSNorm, adopt_weights, gather_pool, last_n_indices
 from export.archs.llama3.config import Llama3Config, Llama3RopeScaling, LlamaLayerConfig
 from export.archs.llama3.weights import adapt_llama3
 from plugins.paged_attention.op import paged_attention
@@ -172,13 +172,8 @@ class Llama3Target(nn.Module):
     def from_checkpoint(cls, config: Llama3Config, source: Mapping[str, torch.Tensor], *, num_logits: int = 1,
                         capture_layers: Sequence[int] = (), dtype: torch.dtype | None = None) -> Self:
         """Build on the meta device and adopt the adapted tensors, so weights are never held twice."""
-        with torch.device("meta"):
-            model = cls(config, num_logits=num_logits, capture_layers=capture_layers)
-        state = adapt_llama3(source, config)
-        if dtype is not None:
-            state = {k: t.to(dtype) for k, t in state.items()}
-        model.load_state_dict(state, assign=True)
-        return model.eval()
+        return adopt_weights(lambda: cls(config, num_logits=num_logits, capture_layers=capture_layers),
+                             adapt_llama3(source, config), dtype=dtype)
 
     def pool_shapes(self) -> dict[str, tuple[int, int]]:
         """(layers, width) of each pool this target reads: K then V of every kv head, per layer."""
