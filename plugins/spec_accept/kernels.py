@@ -1,0 +1,297 @@
+"""Triton kernel for SpecAccept: the whole verdict of one row per program, truncation included.
+
+The math is export.spec.verify's (the registered reference), position by position, stopping at the first
+rejected draft (later positions cannot change the result):
+
+    masked logits (grammar bitmask; a mask allowing nothing is ignored) -> max + argmax
+    greedy row (temperature < 1e-5):  candidate = argmax,  accepted = draft == argmax
+    sampled row:  p = softmax(logits / T) in float64
+                  threshold = min(max(k-th largest p, top-p floor, min_p * p_max), p_max)
+                  candidate = inverse-CDF sample of p * [p >= threshold] with noise[b, i, 0]
+                  accepted  = draft == candidate, or (thinking row) the relaxed rule on untempered softmax
+    -1 drafts and grammar-forbidden drafts are never accepted; next token = candidate where it stopped.
+
+Everything runs in Triton; nothing is sorted. A QDP AOT plugin launches exactly one kernel, so the sort the
+reference uses for top-k / top-p is replaced by exact threshold searches over the float64 bit patterns
+of p (non-negative doubles order like their bits): each round splits the remaining bit interval into 16,
+counts (top-k) or sums (top-p) the probabilities above each of the 16 pivots in one pass over the vocab,
+and keeps the sub-interval where the predicate flips; <= 16 rounds cover 64 bits.
+    k-th largest  = the largest x with #{p >= x} >= k
+    top-p floor   = the smallest x with sum{p > x, p >= k-th} < top_p * sum{p >= k-th}
+These are the values the reference reads off its sorted array, so the kept sets are the same; sums are
+taken in another order than the reference's cumsum, so they agree to float64 rounding (the reference's
+own argument for float64 across backends, export/spec/truncation.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Mirrors of export.spec constants (plugins import nothing of export); constexpr so kernels may read them.
+GREEDY_TEMPERATURE = tl.constexpr(1e-5)   # export.spec.truncation.GREEDY_TEMPERATURE
+NOISE_TARGET = tl.constexpr(0)            # export.spec.acceptance.NOISE_TARGET: what sample-and-match reads
+
+
+@triton.jit
+def _logits(row_ptr, mask_ptr, v, vocab_size, use_mask, HAS_BITMASK: tl.constexpr):
+    """Masked float32 logits of vocab ids v (forbidden and padding -> -inf)."""
+    valid = v < vocab_size
+    logits = tl.load(row_ptr + v, mask=valid, other=float("-inf")).to(tl.float32)
+    if HAS_BITMASK:
+        word = tl.load(mask_ptr + v // 32, mask=valid, other=0)
+        allowed = ((word >> (v % 32)) & 1) != 0
+        logits = tl.where(allowed | (use_mask == 0), logits, float("-inf"))
+    return logits
+
+
+@triton.jit
+def _satisfiable(mask_ptr, vocab_size, BLOCK_V: tl.constexpr):
+    """1 if the grammar mask allows some token < V (else the reference leaves the logits unmasked)."""
+    found = 0
+    for v0 in range(0, vocab_size, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V)
+        word = tl.load(mask_ptr + v // 32, mask=v < vocab_size, other=0)
+        found = tl.maximum(found, tl.max((((word >> (v % 32)) & 1) != 0).to(tl.int32), axis=0))
+    return found
+
+
+@triton.jit
+def _max_argmax(row_ptr, mask_ptr, vocab_size, use_mask, HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(max masked logit, its first index) like torch.argmax."""
+    best = float("-inf")
+    index = tl.zeros((), tl.int64)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        logits = _logits(row_ptr, mask_ptr, v0 + tl.arange(0, BLOCK_V), vocab_size, use_mask, HAS_BITMASK)
+        tile_best = tl.max(logits, axis=0)
+        index = tl.where(tile_best > best, v0 + tl.argmax(logits, axis=0).to(tl.int64), index)
+        best = tl.maximum(best, tile_best)
+    return best, index
+
+
+@triton.jit
+def _probs(row_ptr, mask_ptr, v, vocab_size, use_mask, inv_t, s_max, z, HAS_BITMASK: tl.constexpr):
+    """float64 softmax(logits / T) of vocab ids v; padding ids get -1 (below every threshold)."""
+    scaled = _logits(row_ptr, mask_ptr, v, vocab_size, use_mask, HAS_BITMASK).to(tl.float64) * inv_t
+    return tl.where(v < vocab_size, tl.exp(scaled - s_max) / z, -1.0)
+
+
+@triton.jit
+def _kth_largest(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, k, p_max,
+                 HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Largest x with #{p >= x} >= k, searched over bit patterns (lo: predicate false, hi: true)."""
+    lo = tl.full((), -1, tl.int64)
+    hi = p_max.to(tl.int64, bitcast=True) + 1
+    j = tl.arange(0, 16).to(tl.int64) + 1
+    while hi - lo > 1:
+        pivots = tl.minimum(lo + j * ((hi - lo + 15) // 16), hi)                      # [16] bit patterns
+        x = pivots.to(tl.float64, bitcast=True)
+        count = tl.zeros([16], tl.int64)
+        for v0 in range(0, vocab_size, BLOCK_V):
+            p = _probs(row_ptr, mask_ptr, v0 + tl.arange(0, BLOCK_V), vocab_size, use_mask, inv_t, s_max, z,
+                       HAS_BITMASK)
+            count += tl.sum((p[:, None] >= x[None, :]).to(tl.int64), axis=0)
+        above = count < k                                                             # predicate per pivot
+        lo = tl.max(tl.where(above, lo, pivots), axis=0)
+        hi = tl.min(tl.where(above, pivots, hi), axis=0)
+    return lo.to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _nucleus_floor(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, kth, budget, p_max,
+                   HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Smallest x with sum{p > x, p >= kth} < budget: the last probability the nucleus keeps."""
+    lo = tl.full((), -1, tl.int64)
+    hi = p_max.to(tl.int64, bitcast=True)
+    j = tl.arange(0, 16).to(tl.int64) + 1
+    while hi - lo > 1:
+        pivots = tl.minimum(lo + j * ((hi - lo + 15) // 16), hi)
+        x = pivots.to(tl.float64, bitcast=True)
+        mass = tl.zeros([16], tl.float64)
+        for v0 in range(0, vocab_size, BLOCK_V):
+            p = _probs(row_ptr, mask_ptr, v0 + tl.arange(0, BLOCK_V), vocab_size, use_mask, inv_t, s_max, z,
+                       HAS_BITMASK)
+            in_top_k = (p >= kth)[:, None]
+            mass += tl.sum(tl.where(in_top_k & (p[:, None] > x[None, :]), p[:, None], 0.0), axis=0)
+        below = mass < budget
+        lo = tl.max(tl.where(below, lo, pivots), axis=0)
+        hi = tl.min(tl.where(below, pivots, hi), axis=0)
+    return hi.to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, floor, HAS_BITMASK: tl.constexpr,
+          BLOCK_V: tl.constexpr):
+    """sum{p >= floor} (floor 0 also reports the smallest p, for top-k off: k-th = min p)."""
+    total = tl.zeros((), tl.float64)
+    smallest = tl.full((), 2.0, tl.float64)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        p = _probs(row_ptr, mask_ptr, v0 + tl.arange(0, BLOCK_V), vocab_size, use_mask, inv_t, s_max, z,
+                   HAS_BITMASK)
+        total += tl.sum(tl.where(p >= floor, p, 0.0), axis=0)
+        smallest = tl.minimum(smallest, tl.min(tl.where(p >= 0.0, p, 2.0), axis=0))
+    return total, smallest
+
+
+@triton.jit
+def _inverse_cdf(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, kept_mass, target,
+                 HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Scan w = p [p >= threshold] / kept_mass; returns (cdf total, #{cdf <= target}, last id with w > 0)."""
+    carry = tl.zeros((), tl.float64)
+    count = tl.zeros((), tl.int64)
+    last = tl.zeros((), tl.int64)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V)
+        p = _probs(row_ptr, mask_ptr, v, vocab_size, use_mask, inv_t, s_max, z, HAS_BITMASK)
+        w = tl.where(p >= threshold, p, 0.0) / kept_mass
+        cdf = carry + tl.cumsum(w, axis=0)
+        count += tl.sum(((cdf <= target) & (v < vocab_size)).to(tl.int64), axis=0)
+        last = tl.maximum(last, tl.max(tl.where(w > 0, v, 0), axis=0).to(tl.int64))
+        carry = tl.max(tl.where(v < vocab_size, cdf, 0.0), axis=0)                    # cdf is non-decreasing
+    return carry, count, last
+
+
+@triton.jit
+def _sample(row_ptr, mask_ptr, vocab_size, use_mask, temperature, top_k, top_p, min_p, uniform, best,
+            HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Inverse-CDF sample of the truncated distribution (export.spec.truncation), float64 throughout."""
+    inv_t = 1.0 / temperature.to(tl.float64)
+    s_max = best.to(tl.float64) * inv_t
+    z = tl.zeros((), tl.float64)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        scaled = _logits(row_ptr, mask_ptr, v0 + tl.arange(0, BLOCK_V), vocab_size, use_mask,
+                         HAS_BITMASK).to(tl.float64) * inv_t
+        z += tl.sum(tl.exp(scaled - s_max), axis=0)
+    p_max = 1.0 / z                                        # the argmax's own exp(0) / z: the largest p exactly
+    total, kth = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, 0.0, HAS_BITMASK, BLOCK_V)
+    if (top_k > 0) & (top_k < vocab_size):
+        kth = _kth_largest(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, top_k, p_max,
+                           HAS_BITMASK, BLOCK_V)
+        total, _ = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, kth, HAS_BITMASK, BLOCK_V)
+    floor = tl.zeros((), tl.float64)
+    if top_p < 1.0:
+        floor = _nucleus_floor(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, kth,
+                               top_p.to(tl.float64) * total, p_max, HAS_BITMASK, BLOCK_V)
+    threshold = tl.minimum(tl.maximum(tl.maximum(kth, floor), min_p.to(tl.float64) * p_max), p_max)
+    kept, _ = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, HAS_BITMASK, BLOCK_V)
+    cdf_total, _, _ = _inverse_cdf(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, kept,
+                                   2.0, HAS_BITMASK, BLOCK_V)
+    _, index, last = _inverse_cdf(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, kept,
+                                  uniform.to(tl.float64) * cdf_total, HAS_BITMASK, BLOCK_V)
+    return tl.minimum(index, last)
+
+
+@triton.jit
+def _relaxed(row_ptr, mask_ptr, vocab_size, use_mask, best, draft_logit, TOP_N: tl.constexpr,
+             DELTA: tl.constexpr, HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Thinking rows: draft in the top-N logits and p(draft) >= p_top - delta (untempered softmax)."""
+    z = tl.zeros((), tl.float64)
+    num_above = tl.zeros((), tl.int64)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        logits = _logits(row_ptr, mask_ptr, v0 + tl.arange(0, BLOCK_V), vocab_size, use_mask, HAS_BITMASK)
+        z += tl.sum(tl.exp(logits.to(tl.float64) - best.to(tl.float64)), axis=0)
+        num_above += tl.sum((logits > draft_logit).to(tl.int64), axis=0)
+    p_draft = tl.exp(draft_logit.to(tl.float64) - best.to(tl.float64)) / z
+    return (num_above < TOP_N) & (p_draft >= 1.0 / z - DELTA) & (draft_logit > float("-inf"))
+
+
+@triton.jit
+def _draft_logit(row_ptr, mask_ptr, draft, use_mask, HAS_BITMASK: tl.constexpr):
+    logit = tl.load(row_ptr + draft).to(tl.float32)
+    if HAS_BITMASK:
+        word = tl.load(mask_ptr + draft // 32)
+        allowed = ((word >> (draft % 32).to(tl.int32)) & 1) != 0
+        logit = tl.where(allowed | (use_mask == 0), logit, float("-inf"))
+    return logit
+
+
+@triton.jit
+def _verdict(logits_ptr, draft_tokens_ptr, top_k_ptr, top_p_ptr, min_p_ptr, noise_ptr, bitmask_ptr, b, i,
+             temperature, greedy, thinking, vocab_size, num_channels, num_words, K: tl.constexpr,
+             HAS_BITMASK: tl.constexpr, TOP_N: tl.constexpr, DELTA: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Position i of row b: (draft i accepted, candidate = the recovered or bonus token if it stops here)."""
+    position = b * (K + 1) + i
+    row_ptr = logits_ptr + position * vocab_size
+    mask_ptr = bitmask_ptr + position * num_words
+    use_mask = 0
+    if HAS_BITMASK:
+        use_mask = _satisfiable(mask_ptr, vocab_size, BLOCK_V)
+    best, argmax = _max_argmax(row_ptr, mask_ptr, vocab_size, use_mask, HAS_BITMASK, BLOCK_V)
+    candidate = argmax
+    if greedy == 0:
+        candidate = _sample(row_ptr, mask_ptr, vocab_size, use_mask, temperature, tl.load(top_k_ptr + b),
+                            tl.load(top_p_ptr + b), tl.load(min_p_ptr + b),
+                            tl.load(noise_ptr + position * num_channels + NOISE_TARGET), best, HAS_BITMASK,
+                            BLOCK_V)
+    accepted = tl.zeros((), tl.int1)
+    if i < K:
+        draft = tl.load(draft_tokens_ptr + b * K + i)
+        clamped = tl.maximum(draft, 0)
+        draft_logit = _draft_logit(row_ptr, mask_ptr, clamped, use_mask, HAS_BITMASK)
+        accepted = clamped == candidate
+        if (greedy == 0) & thinking:
+            accepted = accepted | _relaxed(row_ptr, mask_ptr, vocab_size, use_mask, best, draft_logit, TOP_N,
+                                           DELTA, HAS_BITMASK, BLOCK_V)
+        accepted = accepted & (draft >= 0) & (draft_logit > float("-inf"))
+    return accepted, candidate
+
+
+@triton.jit
+def spec_accept_kernel(
+    logits_ptr, draft_tokens_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, noise_ptr, thinking_ptr,
+    bitmask_ptr, vocab_size, num_channels, num_words, num_accepted_ptr, next_tokens_ptr,
+    K: tl.constexpr, HAS_BITMASK: tl.constexpr, TOP_N: tl.constexpr, DELTA: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One row per program. The TensorRT plugin's ABI: the node's 9 inputs, int32 sizes, 2 outputs."""
+    b = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temperature_ptr + b)
+    greedy = temperature < GREEDY_TEMPERATURE
+    thinking = tl.load(thinking_ptr + b) != 0
+    i = tl.zeros((), tl.int64)
+    next_token = tl.zeros((), tl.int64)
+    go = tl.full((), 1, tl.int1)
+    while go:
+        accepted, next_token = _verdict(logits_ptr, draft_tokens_ptr, top_k_ptr, top_p_ptr, min_p_ptr, noise_ptr,
+                                        bitmask_ptr, b, i, temperature, greedy, thinking, vocab_size,
+                                        num_channels, num_words, K, HAS_BITMASK, TOP_N, DELTA, BLOCK_V)
+        i = tl.where(accepted, i + 1, i)
+        go = accepted
+    tl.store(num_accepted_ptr + b, i)
+    tl.store(next_tokens_ptr + b, next_token)
+
+
+def spec_accept(
+    logits: torch.Tensor,             # [B, K+1, V]
+    draft_tokens: torch.Tensor,       # [B, K] int64, -1 = no draft
+    temperature: torch.Tensor,        # [B] float32
+    top_k: torch.Tensor,              # [B] int64
+    top_p: torch.Tensor,              # [B] float32
+    min_p: torch.Tensor,              # [B] float32
+    noise: torch.Tensor,              # [B, K+1, C] float32
+    in_thinking_phase: torch.Tensor,  # [B] bool
+    token_bitmask: torch.Tensor | None = None,  # [B, K+1, ceil(V/32)] int32
+    *,
+    num_drafts: int,
+    relaxed_top_n: int,
+    relaxed_delta: float,
+    block_v: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, next_tokens [B] int64
+    """plugins.spec_accept.reference.spec_accept (export.spec.verify), all of it in `spec_accept_kernel`."""
+    batch, _, vocab_size = logits.shape
+    if draft_tokens.shape[1] != num_drafts:
+        raise ValueError(f"SpecAccept: num_drafts={num_drafts} but draft_tokens has "
+                         f"{draft_tokens.shape[1]} columns")
+    args = [t.contiguous() for t in (logits, draft_tokens, temperature, top_k, top_p, min_p, noise,
+                                     in_thinking_phase)]
+    mask = logits if token_bitmask is None else token_bitmask.contiguous()   # never read without a bitmask
+    num_accepted = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    next_tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch:
+        spec_accept_kernel[(batch,)](
+            *args, mask, vocab_size, noise.shape[2], 0 if token_bitmask is None else token_bitmask.shape[2],
+            num_accepted, next_tokens, K=num_drafts, HAS_BITMASK=token_bitmask is not None,
+            TOP_N=int(relaxed_top_n), DELTA=float(relaxed_delta),
+            BLOCK_V=min(block_v, triton.next_power_of_2(vocab_size)))
+    return num_accepted, next_tokens

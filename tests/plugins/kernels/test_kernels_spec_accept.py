@@ -1,0 +1,44 @@
+"""SpecAccept's Triton kernel gives exactly the registered reference's tokens (export.spec.verify) for the
+same noise, row by row, in the interpreter on CPU: K = 0, 1, 2, 3, 4, 7; greedy and sampled rows with top-k /
+top-p / min-p on and off; thinking rows (relaxed acceptance); -1 drafts; grammar bitmasks (one allowing
+nothing); tied logits; float16 logits; a vocabulary spanning several tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.plugins.kernels import cases
+from tests.plugins.kernels.clean import run_clean
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {}
+
+
+@pytest.mark.parametrize("name", list(cases.ACCEPT_CASES))
+def test_kernel_matches_reference(name: str, outcomes) -> None:
+    outcomes[name] = cases.check_spec_accept(name, "cpu")
+
+
+def test_cases_cover_the_verdicts(outcomes) -> None:
+    """>= 100 rows, and the interesting verdicts all occur (else the equality above proves little)."""
+    if len(outcomes) < len(cases.ACCEPT_CASES):
+        pytest.skip("needs every case above to have run in this session")
+    rows = sum(cases.ACCEPT_CASES[name][1] for name in outcomes)
+    accepted = torch.cat([a for a, _ in outcomes.values()])
+    limits = torch.cat([torch.full_like(a, cases.ACCEPT_CASES[n][2]) for n, (a, _) in outcomes.items()])
+    relaxed_helped = sum(int((a != s).sum()) for a, s in outcomes.values())
+    assert rows >= 100
+    assert ((accepted == limits) & (limits > 0)).sum() >= 5, "all drafts accepted"
+    assert ((accepted > 0) & (accepted < limits)).sum() >= 5, "rejected after an accepted prefix"
+    assert ((accepted == 0) & (limits > 0)).sum() >= 5, "first draft rejected"
+    assert relaxed_helped >= 3, "relaxed (thinking) acceptance changed the outcome"
+
+
+@pytest.mark.gpu
+def test_kernel_on_gpu() -> None:
+    run_clean("from tests.plugins.kernels import cases\n"
+              "for name in cases.ACCEPT_CASES:\n"
+              "    cases.check_spec_accept(name, 'cuda')\n")
