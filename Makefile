@@ -16,6 +16,8 @@ DTYPE ?= float32
 EXPORT_ARGS ?=
 OUT ?= artifacts/$(METHOD)
 ART ?= $(OUT)
+RECIPE ?=
+TIMING_CACHE ?=
 
 .PHONY: install test test-all lint demo export engines bench clean
 
@@ -46,8 +48,9 @@ export: install
 	$(UNISPEC) export --target $(TARGET) $(if $(DRAFT),--draft $(DRAFT)) --method $(METHOD) \
 		--num-speculative-tokens $(K) --dtype $(DTYPE) --out $(OUT) $(EXPORT_ARGS)
 
+# make engines ART=artifacts/x [RECIPE=decode-heavy|file.toml] [TIMING_CACHE=build/timing.cache]
 engines: install
-	$(UNISPEC) build $(ART)
+	$(UNISPEC) build $(ART) $(if $(RECIPE),--recipe $(RECIPE)) $(if $(TIMING_CACHE),--timing-cache $(TIMING_CACHE))
 
 bench: install
 	$(UNISPEC) bench $(ART)

@@ -1,1 +1,6 @@
-"""unispec engines: ONNX artifact -> TensorRT engine."""
+"""unispec engines: ONNX artifact -> TensorRT engine (`unispec build`, `make engines`).
+
+recipe.py (build settings from small TOML files, recipes/*.toml) · profiles.py (optimization profiles from
+the manifest, pure) · build.py (build_engine: plan, atomic engine files, manifest update) ·
+tensorrt_build.py (the only module that calls TensorRT, imported lazily).
+"""
