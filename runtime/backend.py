@@ -10,20 +10,31 @@ pools); after a step it commits the accepted rows of the deltas into the pools w
 
 `PersistentInputBuffers` holds one flat host buffer per per-step input, sized once from the manifest's
 bounds (max batch, max tokens per step, max blocks per row); a step's feed is a contiguous prefix view
-of it, so the addresses a backend binds never change and no step allocates input memory.
+of it, so the addresses a backend binds never change and no step allocates input memory. Where a CUDA
+runtime and a GPU are present the buffers are page-locked (cudaHostAlloc), so host-to-device copies of
+the inputs are DMA transfers that need no staging copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+import ctypes
+import ctypes.util
+import weakref
+from collections.abc import Callable, Mapping
+from functools import cache
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from runtime import manifest as io
-from runtime.errors import ArtifactError, UnispecError
+from runtime.errors import ArtifactError, BackendUnavailableError, UnispecError
 
-__all__ = ["Backend", "PersistentInputBuffers", "dim_value", "numpy_dtype", "shape_of", "step_bounds"]
+__all__ = ["Backend", "PersistentInputBuffers", "cuda_runtime", "dim_value", "numpy_dtype", "pinned_allocator",
+           "shape_of", "step_bounds"]
+
+# num_bytes -> a uint8 array of that many bytes that stays valid as long as the array lives
+HostAllocator = Callable[[int], np.ndarray]
+_CUDART_NAMES = ("cudart", "libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0")
 
 
 @runtime_checkable
@@ -90,13 +101,72 @@ def step_bounds(manifest: io.Manifest) -> dict[str, int]:
             "max_blocks": max_blocks}
 
 
-class PersistentInputBuffers:
-    """One flat, preallocated host buffer per per-step input; `view` hands out contiguous prefixes."""
+@cache
+def cuda_runtime() -> Any:
+    """The CUDA runtime library (ctypes) when it loads and sees at least one GPU, else None."""
+    for name in _CUDART_NAMES:
+        path = ctypes.util.find_library(name) if name == "cudart" else name
+        if not path:
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        count = ctypes.c_int(0)
+        if lib.cudaGetDeviceCount(ctypes.byref(count)) == 0 and count.value > 0:
+            return lib
+    return None
 
-    def __init__(self, specs: tuple[io.TensorSpec, ...], bounds: Mapping[str, int]) -> None:
+
+def pinned_allocator() -> HostAllocator:
+    """Page-locked host memory through cudaHostAlloc; freed (cudaFreeHost) when its array is collected."""
+    lib = cuda_runtime()
+    if lib is None:
+        raise BackendUnavailableError("pinned host buffers need the CUDA runtime (libcudart) and a GPU; "
+                                      "none was found, use pinned=False")
+    lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+    lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
+
+    def allocate(num_bytes: int) -> np.ndarray:
+        pointer = ctypes.c_void_p()
+        status = lib.cudaHostAlloc(ctypes.byref(pointer), max(num_bytes, 1), 0)   # 0: cudaHostAllocDefault
+        if status != 0:
+            raise BackendUnavailableError(f"cudaHostAlloc of {num_bytes} bytes failed (CUDA error {status}); "
+                                          "lower the artifact's max batch / tokens per step or use pinned=False")
+        memory = (ctypes.c_uint8 * max(num_bytes, 1)).from_address(pointer.value)
+        array = np.frombuffer(memory, dtype=np.uint8)[:num_bytes]
+        weakref.finalize(memory, lib.cudaFreeHost, pointer.value)   # the array keeps `memory` alive
+        return array
+
+    return allocate
+
+
+def _numpy_allocator(num_bytes: int) -> np.ndarray:
+    return np.zeros(num_bytes, dtype=np.uint8)
+
+
+class PersistentInputBuffers:
+    """One flat, preallocated host buffer per per-step input; `view` hands out contiguous prefixes.
+
+    `pinned=None` pins when CUDA is present; `allocator` (bytes -> uint8 array) overrides both.
+    """
+
+    def __init__(self, specs: tuple[io.TensorSpec, ...], bounds: Mapping[str, int], *,
+                 pinned: bool | None = None, allocator: HostAllocator | None = None) -> None:
         self.bounds = dict(bounds)
-        self._flat = {s.name: np.zeros(int(np.prod(shape_of(s, bounds))), dtype=numpy_dtype(s.dtype))
-                      for s in specs}
+        if allocator is None:
+            self.pinned = cuda_runtime() is not None if pinned is None else pinned
+            allocator = pinned_allocator() if self.pinned else _numpy_allocator
+        else:
+            self.pinned = bool(pinned)
+        self._flat = {}
+        for s in specs:
+            dtype = numpy_dtype(s.dtype)
+            count = int(np.prod(shape_of(s, bounds)))
+            raw = allocator(count * dtype.itemsize)
+            assert raw.dtype == np.uint8 and raw.size == count * dtype.itemsize, "allocator returned a wrong buffer"
+            self._flat[s.name] = raw.view(dtype)
+            self._flat[s.name][...] = 0
 
     def view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A C-contiguous array of `shape` over the start of `name`'s buffer (no copy, stable address)."""
@@ -109,3 +179,6 @@ class PersistentInputBuffers:
 
     def address(self, name: str) -> int:
         return self._flat[name].ctypes.data
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._flat)

@@ -11,10 +11,33 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable
 
-from runtime.errors import OutOfBlocksError, UnispecError
+from runtime.errors import InvalidRequestError, OutOfBlocksError, UnispecError
+from runtime.manifest import Manifest
 
-__all__ = ["BlockManager", "OutOfBlocksError"]
+__all__ = ["BlockManager", "OutOfBlocksError", "blocks_per_request", "num_blocks_for_budget"]
 
+
+def blocks_per_request(manifest: Manifest, max_model_len: int | None = None) -> int:
+    """Blocks one request of `max_model_len` tokens can hold: its positions plus the 2K + 1 the step's
+    merged drafts and sequential draft steps reach past them (DESIGN.md §3)."""
+    length = manifest.max_model_len if max_model_len is None else max_model_len
+    return -(-(length + 2 * manifest.num_speculative_tokens + 1) // manifest.block_size)
+
+
+def num_blocks_for_budget(manifest: Manifest, kv_memory_bytes: int, max_model_len: int | None = None) -> int:
+    """How many blocks `kv_memory_bytes` buys, counting every pool (target and draft) of the artifact.
+
+    Capped at what a full batch of max_model_len requests can use; a budget below one such request is
+    an error, because that request could never run.
+    """
+    block_bytes = manifest.kv_bytes_per_token() * manifest.block_size
+    per_row = blocks_per_request(manifest, max_model_len)
+    affordable = kv_memory_bytes // block_bytes
+    if affordable < per_row:
+        raise InvalidRequestError(f"kv_memory_bytes={kv_memory_bytes} holds {affordable} KV blocks; one "
+                                  f"max_model_len request needs {per_row} ({per_row * block_bytes} bytes); "
+                                  "raise kv_memory_bytes or pass num_blocks")
+    return int(min(affordable, manifest.max_batch_size * per_row))
 
 
 class BlockManager:
@@ -86,6 +109,11 @@ class BlockManager:
             self._refcount[block] -= 1
             if self._refcount[block] == 0:
                 self._free.append(block)
+
+    def release(self, request_id: Hashable) -> None:
+        """`free` for callers that may not know whether the request holds blocks (cancel, preemption)."""
+        if request_id in self._tables:
+            self.free(request_id)
 
     def refcount(self, block: int) -> int:
         return self._refcount[block]

@@ -1,289 +1,254 @@
-"""The host loop: schedules requests into steps, fills the step inputs, commits KV, collects tokens.
+"""The host loop: fills one step's inputs from the scheduled rows, runs it, commits KV, collects tokens.
 
-It drives an artifact's unified step exactly as the torch reference loop (export/generate.py) does, with
-numpy, a BlockManager and persistent input buffers (DESIGN.md §3, §7). Per step, for every scheduled row:
+It drives an artifact's unified step as the torch reference loop (export/generate.py) does, with numpy,
+a BlockManager, a Scheduler (continuous batching, chunked prefill, preemption) and persistent input
+buffers (DESIGN.md §3, §7). Per step, for every scheduled row (runtime/sequence.py says which kind):
 
-  prefill row:  tokens = the next prompt chunk, drafts = -1, chunk_next_tokens = the following prompt
-                token when the prompt continues (else -1); nothing is generated until the last chunk
-  decode row:   tokens = [last next_token], drafts = the previous step's next_draft_tokens
-  commit:       n = len(tokens) + num_accepted rows of the row's delta segment (len(tokens) + K rows)
-                go to positions cache_len .. cache_len + n - 1
-  generated:    the accepted drafts, then next_token
+  prefill / recompute row:  tokens = the next chunk, drafts = -1, chunk_next_tokens = the token after
+                            the chunk when there is one the step does not generate from (else -1)
+  decode row:               tokens = [last generated token], drafts = the previous step's next_draft_tokens
+  commit:                   n = len(tokens) + num_accepted rows of the row's delta segment (len(tokens) + K
+                            rows) go to positions cache_len .. cache_len + n - 1
+  generated:                the accepted drafts, then next_token (only on steps that generate)
 
-Rows join between steps (first come, first served, while batch slots and blocks last) and leave when they
-finish; prefill is chunked so a step never exceeds the artifact's `max_tokens_per_step`. A request is
-admitted only when the blocks its longest possible life needs are free, so a running request never runs
-out of blocks (preemption is the full runtime's).
+Per-row sampling inputs come from each request's SamplingParams; `noise` from its own stream, one block
+per generating step (zeros otherwise), so seeded output does not depend on the batch, on how the
+prompt was chunked, or on preemptions; `token_bitmask` from its grammar (runtime/structured.py);
+`in_thinking_phase` from its think-token tracking when it opted into relaxed acceptance.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from itertools import count
 
 import numpy as np
 
 from runtime import manifest as io
 from runtime.backend import Backend, PersistentInputBuffers, step_bounds
-from runtime.blocks import BlockManager
+from runtime.blocks import BlockManager, blocks_per_request
 from runtime.errors import InvalidRequestError
 from runtime.noise import RequestNoise, batch_noise
 from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Plan, Scheduler
+from runtime.sequence import RequestMetrics, RequestOutput, SequenceState, validate_prompt
+from runtime.structured import GrammarCompiler, check_structured_support
 
-__all__ = ["Engine", "RequestMetrics", "RequestOutput", "validate_prompt"]
+__all__ = ["Engine", "Listener", "RequestMetrics", "RequestOutput", "validate_prompt"]
 
 Detokenize = Callable[[Sequence[int]], str]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RequestMetrics:
-    num_steps: int                               # steps the request took part in, prefill chunks included
-    accepted_per_step: tuple[int, ...]           # num_accepted of each decode step
-    acceptance_per_position: tuple[float, ...]   # [K] share of decode steps that accepted draft j
-    mean_accepted_length: float                  # tokens committed per decode step: 1 + mean accepted
-    num_generated: int
-    elapsed_s: float                             # admission to finish
-    tokens_per_s: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class RequestOutput:
-    request_id: Hashable
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str                                    # "" without a tokenizer
-    finish_reason: str                           # "length" | "stop"
-    metrics: RequestMetrics
-
-
-@dataclass(eq=False)
-class _Sequence:
-    request_id: Hashable
-    prompt: list[int]
-    params: SamplingParams
-    max_new: int
-    worst_blocks: int                            # blocks of its longest life, promised at admission
-    noise: RequestNoise
-    prefilled: int = 0
-    cache_len: int = 0
-    next_token: int = -1
-    drafts: np.ndarray | None = None             # [K] drafts to verify next step
-    generated: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    num_steps: int = 0
-    admitted_at: float = 0.0
-    finish_reason: str | None = None
-    stop_at: int | None = None                   # text length where a stop string begins
-
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < len(self.prompt)
-
-
-def validate_prompt(prompt: Sequence[int], manifest: io.Manifest, where: str = "prompt") -> None:
-    """One-line InvalidRequestError for an empty, out-of-vocabulary or too long prompt."""
-    if len(prompt) == 0:
-        raise InvalidRequestError(f"{where} is empty; give at least one token")
-    for i, token in enumerate(prompt):
-        if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or not 0 <= token < manifest.vocab_size:
-            raise InvalidRequestError(f"{where} token {i} is {token!r}; token ids must be ints in "
-                                      f"[0, {manifest.vocab_size}) for this artifact")
-    if len(prompt) >= manifest.max_model_len:
-        raise InvalidRequestError(f"{where} has {len(prompt)} tokens; this artifact's max_model_len is "
-                                  f"{manifest.max_model_len}, so prompts must be shorter than that")
+# (request id, tokens committed this step, the output when the request finished) after every change
+Listener = Callable[[Hashable, list[int], RequestOutput | None], None]
 
 
 class Engine:
-    """Continuous batching over one backend; `add_request` between `step` calls, `step` until done."""
+    """Continuous batching over one backend; `add_request` / `abort` between `step` calls."""
 
-    def __init__(self, backend: Backend, *, eos_token_ids: Sequence[int] = (),
-                 detokenize: Detokenize | None = None, prefill_chunk: int | None = None) -> None:
+    def __init__(self, backend: Backend, *, eos_token_ids: Sequence[int] = (), detokenize: Detokenize | None = None,
+                 prefill_chunk: int | None = None, max_model_len: int | None = None,
+                 grammars: GrammarCompiler | None = None, listener: Listener | None = None) -> None:
         m = self.manifest = backend.manifest
         self.backend, self.k = backend, m.num_speculative_tokens
         self.eos_token_ids, self.detokenize = frozenset(eos_token_ids), detokenize
-        self.prefill_chunk = min(prefill_chunk or m.max_tokens_per_step, m.max_tokens_per_step)
+        self.grammars, self.listener = grammars, listener
+        self.max_model_len = _bounded("max_model_len", max_model_len, m.max_model_len, lower=2)
+        chunk = _bounded("prefill_chunk", prefill_chunk, m.max_tokens_per_step, lower=1)
         self.blocks = BlockManager(backend.num_blocks, m.block_size)
+        self.scheduler = Scheduler(self.blocks, k=self.k, max_batch_size=m.max_batch_size,
+                                   max_tokens_per_step=m.max_tokens_per_step, prefill_chunk=chunk)
         specs = backend.input_specs()
         self.buffers = PersistentInputBuffers(specs, step_bounds(m))
-        self._input_names = {s.name for s in specs}
-        self.waiting: deque[_Sequence] = deque()
-        self.running: list[_Sequence] = []
-        self._promised = 0                       # worst-case blocks of the running requests
+        self._input_names = frozenset(s.name for s in specs)
+        self._positions = np.arange(m.max_model_len + 2 * self.k + 2, dtype=np.int64)   # copied from, never grown
         self._ids = count()
+        self.num_steps = 0
 
-    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> tuple[int, int]:
-        """(new tokens at most, worst-case blocks) of a request; InvalidRequestError if it cannot run."""
-        validate_prompt(prompt, self.manifest)
-        max_new = min(params.max_tokens, self.manifest.max_model_len - len(prompt))
-        worst = self.blocks.blocks_for(len(prompt) + max_new + 2 * self.k + 1)
+    @property
+    def waiting(self) -> Sequence[SequenceState]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> Sequence[SequenceState]:
+        return self.scheduler.running
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- requests -----------------------------------------------------------------------------------------
+
+    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> int:
+        """New tokens at most for the request; a one-line InvalidRequestError if it cannot run here."""
+        validate_prompt(prompt, self.manifest, max_model_len=self.max_model_len)
+        max_new = min(params.max_tokens, self.max_model_len - len(prompt))
+        worst = blocks_per_request(self.manifest, len(prompt) + max_new)
         if worst > self.blocks.num_blocks:
             raise InvalidRequestError(f"a {len(prompt)}-token prompt with max_tokens={max_new} needs {worst} KV "
                                       f"blocks, the pool has {self.blocks.num_blocks}; give the LLM more "
                                       "num_blocks / kv_memory_bytes or lower max_tokens")
-        return max_new, worst
+        check_structured_support(self.manifest, self.grammars is not None, params)
+        if params.structured:
+            self.grammars.compile(params)        # a bad schema / regex / grammar fails here, before any step
+        if params.relaxed_thinking:
+            self._check_thinking_support()
+        return max_new
+
+    def _check_thinking_support(self) -> None:
+        tok = self.manifest.tokenizer
+        if io.IN_THINKING_PHASE not in self._input_names:
+            raise InvalidRequestError(f"SamplingParams.relaxed_thinking: this {self.manifest.method} artifact has "
+                                      f"no {io.IN_THINKING_PHASE} input (no relaxed acceptance); leave it False")
+        if tok.think_start_id is None or tok.think_end_id is None:
+            raise InvalidRequestError("SamplingParams.relaxed_thinking needs the tokenizer's <think> and </think> "
+                                      "tokens, which this artifact's manifest does not name; leave it False")
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
                     request_id: Hashable | None = None) -> Hashable:
         params = params or SamplingParams()
-        max_new, worst = self.check_request(prompt, params)
+        max_new = self.check_request(prompt, params)
         request_id = next(self._ids) if request_id is None else request_id
-        if any(s.request_id == request_id for s in (*self.waiting, *self.running)):
+        if self.scheduler.find(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use; give each request its own")
-        self.waiting.append(_Sequence(request_id, [int(t) for t in prompt], params, max_new, worst,
-                                      RequestNoise(params.seed)))
+        tok = self.manifest.tokenizer
+        seq = SequenceState(
+            request_id, [int(t) for t in prompt], params, max_new, RequestNoise(params.seed),
+            stop_ids=params.stop_token_ids | (frozenset() if params.ignore_eos else self.eos_token_ids),
+            think_ids=(tok.think_start_id, tok.think_end_id) if params.relaxed_thinking else None,
+            grammar=self.grammars.matcher(params) if params.structured else None)
+        self.scheduler.add(seq)
         return request_id
 
-    def abort(self, request_id: Hashable) -> None:
-        """Drop a request wherever it is; its blocks go back to the pool."""
-        for seq in [s for s in self.waiting if s.request_id == request_id]:
-            self.waiting.remove(seq)
-        for seq in [s for s in self.running if s.request_id == request_id]:
-            self.running.remove(seq)
-            self._promised -= seq.worst_blocks
-            if request_id in self.blocks:
-                self.blocks.free(request_id)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def step(self) -> list[RequestOutput]:
-        """Run one step over the scheduled rows; returns the requests that finished in it."""
-        plan = self._schedule()
-        if not plan:
-            return []
-        feeds = self._feeds(plan)
-        outputs = self.backend.run(feeds)
-        self._commit(plan, feeds, outputs)
-        return self._advance(plan, outputs)
-
-    # --- scheduling ---------------------------------------------------------------------------------------
-
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.manifest.max_batch_size:
-            seq = self.waiting[0]
-            if self._promised + seq.worst_blocks > self.blocks.num_blocks:
-                return                           # first come, first served: wait for blocks to free
-            self.waiting.popleft()
-            self._promised += seq.worst_blocks
-            seq.admitted_at = time.perf_counter()
-            self.running.append(seq)
-
-    def _schedule(self) -> list[tuple[_Sequence, int]]:
-        """(row, new tokens this step): decode rows first, then prefill chunks within the token budget."""
-        self._admit()
-        budget, plan = self.manifest.max_tokens_per_step, []
-        for seq in self.running:
-            if not seq.prefilling and budget > 0:
-                plan.append((seq, 1))
-                budget -= 1
-        for seq in self.running:
-            if seq.prefilling and budget > 0:
-                n = min(len(seq.prompt) - seq.prefilled, self.prefill_chunk, budget)
-                plan.append((seq, n))
-                budget -= n
-        for seq, n in plan:
-            # merged positions plus the K-1 sequential draft steps write KV (DESIGN.md §3)
-            self.blocks.allocate(seq.request_id, seq.cache_len + n + 2 * self.k + 1)
-        return plan
+    def abort(self, request_id: Hashable) -> RequestOutput | None:
+        """Cancel a request wherever it is; its blocks go back to the pool. None if it is not here."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return None
+        seq.finish_reason = "cancelled"
+        return self._finish(seq, [])
 
     # --- one step -----------------------------------------------------------------------------------------
 
-    def _feeds(self, plan: list[tuple[_Sequence, int]]) -> dict[str, np.ndarray]:
+    def step(self) -> list[RequestOutput]:
+        """Run one step over the scheduled rows; returns the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        # A step that fails leaves every request as it was (blocks taken for it stay with their rows) and
+        # can simply be retried; only the noise drawn for it must be put back.
+        noise = [(seq.noise, seq.noise.checkpoint()) for seq, n in plan.items() if seq.generates(n)]
+        # (A half-done commit only wrote positions at or past each row's cache length, which nothing reads.)
+        try:
+            feeds = self._feeds(plan)
+            outputs = self.backend.run(feeds)
+            self._commit(feeds, outputs)
+        except BaseException:
+            for stream, checkpoint in noise:
+                stream.rewind(checkpoint)
+            raise
+        self.num_steps += 1
+        return self._advance(plan, outputs)
+
+    def _feeds(self, plan: Plan) -> dict[str, np.ndarray]:
         view, k, batch = self.buffers.view, self.k, len(plan)
-        lengths = np.array([n for _, n in plan], dtype=np.int64)                        # [B]
-        tables = [self.blocks.table(seq.request_id) for seq, _ in plan]
+        tables = [self.blocks.table(seq.request_id) for seq in plan]
         f = {io.ROW_OFFSETS: view(io.ROW_OFFSETS, (batch + 1,)),
-             io.TOKENS: view(io.TOKENS, (int(lengths.sum()),)),
-             io.POSITIONS: view(io.POSITIONS, (int(lengths.sum()),)),
              io.BLOCK_TABLE: view(io.BLOCK_TABLE, (batch, max(len(t) for t in tables))),
              io.DRAFT_TOKENS: view(io.DRAFT_TOKENS, (batch, k))}
         f[io.ROW_OFFSETS][0] = 0
-        np.cumsum(lengths, out=f[io.ROW_OFFSETS][1:])
+        np.cumsum(list(plan.values()), out=f[io.ROW_OFFSETS][1:])
+        total = int(f[io.ROW_OFFSETS][-1])
+        f[io.TOKENS], f[io.POSITIONS] = view(io.TOKENS, (total,)), view(io.POSITIONS, (total,))
         f[io.BLOCK_TABLE][...] = 0                   # padding entries: never read (masked by cache_lengths)
-        for i, ((seq, n), table) in enumerate(zip(plan, tables)):
-            start = f[io.ROW_OFFSETS][i]
-            f[io.TOKENS][start:start + n] = seq.prompt[seq.prefilled:seq.prefilled + n] if seq.prefilling \
-                else seq.next_token
-            f[io.POSITIONS][start:start + n] = np.arange(seq.cache_len, seq.cache_len + n)
+        for i, ((seq, n), table) in enumerate(zip(plan.items(), tables)):
+            start, c = f[io.ROW_OFFSETS][i], seq.cache_len
+            f[io.TOKENS][start:start + n] = seq.tokens(c, c + n)
+            f[io.POSITIONS][start:start + n] = self._positions[c:c + n]
             f[io.BLOCK_TABLE][i, :len(table)] = table
-            f[io.DRAFT_TOKENS][i] = -1 if seq.prefilling or seq.drafts is None else seq.drafts
+            f[io.DRAFT_TOKENS][i] = seq.drafts if seq.is_decode and seq.drafts is not None else -1
         self._per_row_inputs(f, plan)
         return {name: value for name, value in f.items() if name in self._input_names}
 
-    def _per_row_inputs(self, f: dict[str, np.ndarray], plan: list[tuple[_Sequence, int]]) -> None:
+    def _per_row_inputs(self, f: dict[str, np.ndarray], plan: Plan) -> None:
         view, batch, m = self.buffers.view, len(plan), self.manifest
-        rows = [seq for seq, _ in plan]
+        rows = list(plan)
+        generating = [seq.generates(n) for seq, n in plan.items()]
         columns = {
             io.CACHE_LENGTHS: [s.cache_len for s in rows],
-            io.CHUNK_NEXT_TOKENS: [s.prompt[s.prefilled + n] if s.prefilled + n < len(s.prompt) else -1
-                                   for s, n in plan],
+            io.CHUNK_NEXT_TOKENS: [-1 if g else s.token_at(s.cache_len + n)
+                                   for (s, n), g in zip(plan.items(), generating)],
             io.TEMPERATURE: [s.params.temperature for s in rows], io.TOP_K: [s.params.top_k for s in rows],
             io.TOP_P: [s.params.top_p for s in rows], io.MIN_P: [s.params.min_p for s in rows],
-            io.IN_THINKING_PHASE: [False] * batch,   # thinking-phase tracking arrives with the full runtime
+            io.IN_THINKING_PHASE: [s.thinking for s in rows],
         }
         for name, values in columns.items():
-            if name in self._input_names:
+            if name in self._input_names or name == io.CACHE_LENGTHS:
                 f[name] = view(name, (batch,))
                 f[name][...] = values
-        f[io.NOISE] = batch_noise([s.noise for s in rows], self.k + 1, m.noise_channels,
+        streams = [s.noise if g else None for s, g in zip(rows, generating)]
+        f[io.NOISE] = batch_noise(streams, self.k + 1, m.noise_channels,
                                   out=view(io.NOISE, (batch, self.k + 1, m.noise_channels)))
-        if io.TOKEN_BITMASK in self._input_names:   # structured output arrives later: allow every token
-            f[io.TOKEN_BITMASK] = view(io.TOKEN_BITMASK, (batch, self.k + 1, -(-m.vocab_size // 32)))
-            f[io.TOKEN_BITMASK][...] = -1
+        if io.TOKEN_BITMASK in self._input_names:
+            bitmask = f[io.TOKEN_BITMASK] = view(io.TOKEN_BITMASK, (batch, self.k + 1, -(-m.vocab_size // 32)))
+            bitmask[...] = -1                        # unconstrained rows: every token allowed
+            for i, (seq, g) in enumerate(zip(rows, generating)):
+                if g and seq.grammar is not None:
+                    seq.grammar.fill_rows(bitmask[i], seq.drafts if seq.is_decode else None)
 
-    def _commit(self, plan: list[tuple[_Sequence, int]], feeds: dict[str, np.ndarray],
-                outputs: dict[str, np.ndarray]) -> None:
+    def _commit(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
         """The commit rule, vectorised: every committed (row, position) pair becomes one (slot, delta row)."""
-        batch, bs = len(plan), self.manifest.block_size
-        lengths = np.diff(feeds[io.ROW_OFFSETS])                                         # [B]
-        counts = lengths + outputs[io.NUM_ACCEPTED]                                      # [B]
-        seg_starts = feeds[io.ROW_OFFSETS][:-1] + np.arange(batch) * self.k              # [B] in the delta
+        offsets, bs = feeds[io.ROW_OFFSETS], self.manifest.block_size
+        batch = len(offsets) - 1
+        counts = np.diff(offsets) + outputs[io.NUM_ACCEPTED]                             # [B]
+        seg_starts = offsets[:-1] + np.arange(batch) * self.k                            # [B] in the delta
         row_of = np.repeat(np.arange(batch), counts)                                     # [N]
         within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)   # [N]
         positions = feeds[io.CACHE_LENGTHS][row_of] + within                             # [N]
         slots = feeds[io.BLOCK_TABLE][row_of, positions // bs] * bs + positions % bs     # [N]
         self.backend.commit(outputs, slots, seg_starts[row_of] + within)
 
-    def _advance(self, plan: list[tuple[_Sequence, int]], outputs: dict[str, np.ndarray]) -> list[RequestOutput]:
+    def _advance(self, plan: Plan, outputs: dict[str, np.ndarray]) -> list[RequestOutput]:
         accepted = outputs[io.NUM_ACCEPTED].tolist()
         next_tokens = outputs[io.NEXT_TOKENS].tolist()
         next_drafts = outputs[io.NEXT_DRAFT_TOKENS]                                      # [B, K]
         finished = []
-        for i, (seq, n) in enumerate(plan):
+        for i, (seq, n) in enumerate(plan.items()):
             seq.num_steps += 1
+            generates, was_decode = seq.generates(n), seq.is_decode
             seq.cache_len += n + accepted[i]
-            if seq.prefilling:
-                seq.prefilled += n
-                if seq.prefilling:
-                    continue                     # the prompt continues: this step's next token is ignored
-                new = [next_tokens[i]]
-            else:
+            if not generates:
+                continue                         # a prefill / recompute chunk: its next token is ignored
+            new = [next_tokens[i]]
+            if was_decode:
                 seq.accepted.append(accepted[i])
                 new = [*seq.drafts[:accepted[i]].tolist(), next_tokens[i]]
-            seq.next_token, seq.drafts = next_tokens[i], next_drafts[i].copy()
-            if self._append(seq, new):
-                finished.append(self._finish(seq))
+            seq.drafts = next_drafts[i].copy()
+            added = self._append(seq, new)
+            if seq.finish_reason is not None:
+                finished.append(self._finish(seq, added))
+            elif self.listener is not None:
+                self.listener(seq.request_id, added, None)
         return finished
 
     # --- stopping -----------------------------------------------------------------------------------------
 
-    def _append(self, seq: _Sequence, new: list[int]) -> bool:
-        """Add tokens one at a time until a stop condition; True when the request is done."""
-        stop_ids = seq.params.stop_token_ids | (frozenset() if seq.params.ignore_eos else self.eos_token_ids)
-        for token in new:
-            seq.generated.append(token)
-            if token in stop_ids or self._hit_stop_string(seq):
+    def _append(self, seq: SequenceState, new: list[int]) -> list[int]:
+        """Add tokens one at a time until a stop condition; returns those added."""
+        for i, token in enumerate(new):
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                seq.finish_reason = "error"      # unreachable while the graph applies the bitmask
+                return new[:i]
+            seq.add_token(token)
+            if token in seq.stop_ids or (seq.grammar is not None and seq.grammar.terminated):
+                seq.finish_reason = "stop"
+                seq.stopped_by_token = token in seq.stop_ids or token in self.eos_token_ids
+            elif self._hit_stop_string(seq):
                 seq.finish_reason = "stop"
             elif len(seq.generated) >= seq.max_new:
                 seq.finish_reason = "length"
             if seq.finish_reason:
-                return True
-        return False
+                return new[:i + 1]
+        return new
 
-    def _hit_stop_string(self, seq: _Sequence) -> bool:
+    def _hit_stop_string(self, seq: SequenceState) -> bool:
         if not seq.params.stop_strings or self.detokenize is None:
             return False
         text = self.detokenize(seq.generated)
@@ -292,29 +257,28 @@ class Engine:
             seq.stop_at = min(hits)
         return bool(hits)
 
-    def _finish(self, seq: _Sequence) -> RequestOutput:
-        self.running.remove(seq)
-        self.blocks.free(seq.request_id)
-        self._promised -= seq.worst_blocks
-        return RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt, token_ids=seq.generated,
-                             text=self._text(seq), finish_reason=seq.finish_reason or "length",
-                             metrics=_metrics(seq, self.k))
+    def _finish(self, seq: SequenceState, added: list[int]) -> RequestOutput:
+        self.scheduler.remove(seq)
+        output = RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt,
+                               token_ids=list(seq.generated), text=self.text_of(seq),
+                               finish_reason=seq.finish_reason or "length", metrics=seq.metrics(self.k))
+        if self.listener is not None:
+            self.listener(seq.request_id, added, output)
+        return output
 
-    def _text(self, seq: _Sequence) -> str:
+    def text_of(self, seq: SequenceState) -> str:
+        """The request's text so far: without a stop string or a final stop token."""
         if self.detokenize is None:
             return ""
         if seq.stop_at is not None:
             return self.detokenize(seq.generated)[:seq.stop_at]   # the text ends before the stop string
-        stopped_by_token = seq.finish_reason == "stop"
-        return self.detokenize(seq.generated[:-1] if stopped_by_token else seq.generated)
+        return self.detokenize(seq.generated[:-1] if seq.stopped_by_token else seq.generated)
 
 
-def _metrics(seq: _Sequence, k: int) -> RequestMetrics:
-    accepted = np.array(seq.accepted, dtype=np.int64)                                     # [decode steps]
-    per_position = tuple(float((accepted > j).mean()) if accepted.size else 0.0 for j in range(k))
-    elapsed = time.perf_counter() - seq.admitted_at
-    return RequestMetrics(
-        num_steps=seq.num_steps, accepted_per_step=tuple(seq.accepted), acceptance_per_position=per_position,
-        mean_accepted_length=1.0 + float(accepted.mean()) if accepted.size else 1.0,
-        num_generated=len(seq.generated), elapsed_s=elapsed,
-        tokens_per_s=len(seq.generated) / elapsed if elapsed > 0 else 0.0)
+def _bounded(name: str, value: int | None, upper: int, *, lower: int) -> int:
+    if value is None:
+        return upper
+    if isinstance(value, bool) or not isinstance(value, int) or not lower <= value <= upper:
+        raise InvalidRequestError(f"{name}={value!r} is invalid; use an int in [{lower}, {upper}] (the "
+                                  "artifact's limit)")
+    return value

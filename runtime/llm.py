@@ -1,124 +1,246 @@
-"""The generation API: `LLM(artifact_dir).generate(prompts, params)` (DESIGN.md §7).
+"""The generation API: `LLM(artifact_dir)` with `generate` and `stream` (DESIGN.md §7).
 
     from unispec import LLM, SamplingParams
     llm = LLM("artifacts/eagle3")
     outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=64))
+    for text in llm.stream([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32)):
+        print(text, end="")
 
-The LLM reads only the artifact directory: the manifest sizes the pools and the step buffers, the
-tokenizer (when the artifact has tokenizer.json) turns strings into ids and back.
+A prompt is a string, a list of token ids, or a chat (a list of {"role", "content"} messages, rendered by
+the tokenizer's chat template). The LLM reads only the artifact directory: the manifest sizes the pools
+and the step buffers, the tokenizer (when the artifact has tokenizer.json) turns text into ids and back.
+
+Thread safety: one lock guards the engine. A caller waiting for its requests takes the lock and runs
+one step for every request in flight, whoever submitted it, then lets the next caller in; so threads
+calling `generate` / iterating streams at the same time share batches (continuous batching), and each
+gets exactly its own outputs. A step that fails raises in the thread that ran it, which cancels its own
+requests; the others carry on with the next step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from threading import RLock
 from typing import Any
 
 from runtime.backends import load_backend
-from runtime.engine import Engine, RequestOutput, validate_prompt
-from runtime.errors import ArtifactError, InvalidRequestError
+from runtime.blocks import num_blocks_for_budget
+from runtime.engine import Engine, RequestOutput
+from runtime.errors import ArtifactError, InvalidRequestError, UnispecError
 from runtime.manifest import Manifest
 from runtime.sampling_params import SamplingParams
+from runtime.sequence import validate_prompt
+from runtime.structured import GrammarCompiler
+from runtime.tokenizer import TOKENIZER_FILE, TextTokenizer
 
-__all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLM"]
+__all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLM", "Stream"]
 
 DEFAULT_KV_MEMORY_BYTES = 256 * 2**20
-TOKENIZER_FILE = "tokenizer.json"
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+Params = SamplingParams | Sequence[SamplingParams] | None
+
+
+@dataclass
+class _Tracker:
+    """What a caller has received of one request so far (filled by the engine's listener)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    output: RequestOutput | None = None
 
 
 class LLM:
     def __init__(self, artifact_dir: str | Path, backend: str = "ort", *, num_blocks: int | None = None,
-                 kv_memory_bytes: int | None = None, **backend_options: Any) -> None:
+                 kv_memory_bytes: int | None = None, max_model_len: int | None = None,
+                 prefill_chunk: int | None = None, **backend_options: Any) -> None:
         """`num_blocks` sizes the KV pools directly; otherwise `kv_memory_bytes` (default 256 MiB) does,
-        capped at what a full batch of max_model_len requests can use."""
+        counting target and draft pools, capped at what a full batch of max_model_len requests can use.
+        `max_model_len` may lower the artifact's; `prefill_chunk` caps the tokens a prompt feeds per step."""
         self.artifact_dir = Path(artifact_dir)
         if not self.artifact_dir.is_dir():
             raise ArtifactError(f"{artifact_dir}: no such directory; pass an artifact written by `unispec export`")
-        self.manifest = Manifest.load(self.artifact_dir)
-        self.num_blocks = num_blocks if num_blocks is not None else self._blocks_for_budget(kv_memory_bytes)
-        if self.num_blocks < 1:
-            raise InvalidRequestError(f"num_blocks={self.num_blocks} is invalid; use an int >= 1")
-        self.tokenizer = self._load_tokenizer()
-        self.backend = load_backend(backend, self.artifact_dir, self.manifest, num_blocks=self.num_blocks,
-                                    **backend_options)
-        self.engine = Engine(self.backend, eos_token_ids=self.manifest.tokenizer.eos_token_ids,
-                             detokenize=self._decode if self.tokenizer is not None else None)
+        self.manifest = m = Manifest.load(self.artifact_dir)
+        if num_blocks is None:
+            budget = DEFAULT_KV_MEMORY_BYTES if kv_memory_bytes is None else kv_memory_bytes
+            num_blocks = num_blocks_for_budget(m, budget, max_model_len)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise InvalidRequestError(f"num_blocks={num_blocks!r} is invalid; use an int >= 1")
+        self.num_blocks = num_blocks
+        self.tokenizer = TextTokenizer.from_dir(self.artifact_dir)
+        self.backend = load_backend(backend, self.artifact_dir, m, num_blocks=num_blocks, **backend_options)
+        grammars = None if self.tokenizer is None else \
+            GrammarCompiler(self.tokenizer.backend, m.vocab_size, m.tokenizer.eos_token_ids)
+        self.engine = Engine(self.backend, eos_token_ids=m.tokenizer.eos_token_ids,
+                             detokenize=self.tokenizer.decode if self.tokenizer is not None else None,
+                             prefill_chunk=prefill_chunk, max_model_len=max_model_len, grammars=grammars,
+                             listener=self._on_update)
+        self._lock = RLock()
+        self._trackers: dict[Hashable, _Tracker] = {}
 
-    def _blocks_for_budget(self, kv_memory_bytes: int | None) -> int:
-        m = self.manifest
-        budget = DEFAULT_KV_MEMORY_BYTES if kv_memory_bytes is None else kv_memory_bytes
-        block_bytes = m.kv_bytes_per_token() * m.block_size
-        per_row = -(-(m.max_model_len + 2 * m.num_speculative_tokens + 1) // m.block_size)
-        blocks = min(budget // block_bytes, m.max_batch_size * per_row)
-        if blocks < per_row:
-            raise InvalidRequestError(f"kv_memory_bytes={budget} holds {budget // block_bytes} KV blocks; one "
-                                      f"max_model_len request needs {per_row} ({per_row * block_bytes} bytes); "
-                                      "raise kv_memory_bytes or pass num_blocks")
-        return int(blocks)
-
-    def _load_tokenizer(self) -> Any:
-        path = self.artifact_dir / TOKENIZER_FILE
-        if not path.is_file():
-            return None
-        from tokenizers import Tokenizer
-
-        try:
-            return Tokenizer.from_file(str(path))
-        except Exception as exc:   # tokenizers raises a bare Exception for malformed files
-            raise ArtifactError(f"{path}: cannot be read as a tokenizer ({str(exc).splitlines()[0]}); the "
-                                "artifact is damaged, re-export it") from None
-
-    def _decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    # --- prompts ------------------------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt, where: str = "prompt") -> list[int]:
-        """A prompt as token ids: strings through the tokenizer, id lists as given (then validated)."""
-        if isinstance(prompt, str):
+        """A prompt as token ids: text through the tokenizer, chats through its template, ids as given."""
+        if isinstance(prompt, str) or _is_chat(prompt):
             if self.tokenizer is None:
-                raise InvalidRequestError(f"{where} is a string but this artifact has no {TOKENIZER_FILE}; "
+                raise InvalidRequestError(f"{where} is text but this artifact has no {TOKENIZER_FILE}; "
                                           "pass token ids instead")
-            ids = self.tokenizer.encode(prompt).ids
-        else:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.tokenizer.encode_chat(prompt)
+        elif isinstance(prompt, Sequence):
             ids = list(prompt)
-        validate_prompt(ids, self.manifest, where)
+        else:
+            raise InvalidRequestError(f"{where} is a {type(prompt).__name__}; pass a string, a list of token ids "
+                                      "or a list of chat messages")
+        validate_prompt(ids, self.manifest, where, self.engine.max_model_len)
         return ids
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def _submit(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[Hashable]:
+        """Check every request, then queue them all (nothing is queued when one is bad)."""
+        encoded = [self.encode(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        with self._lock:
+            for ids, sp in zip(encoded, params):
+                self.engine.check_request(ids, sp)
+            request_ids = []
+            try:
+                for ids, sp in zip(encoded, params):
+                    request_ids.append(self.engine.add_request(ids, sp))
+                    self._trackers[request_ids[-1]] = _Tracker()
+            except BaseException:
+                self._cancel(request_ids)
+                raise
+        return request_ids
+
+    # --- generation ---------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         Every prompt and parameter set is checked before anything runs, so one bad request fails the
-        call without starting the others.
+        call without starting the others. `params` is one SamplingParams for all or one per prompt.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and not isinstance(prompts[0], (str, Sequence))):
-            prompts = [prompts]                 # one prompt (a string or one id list)
-        if not prompts:
-            raise InvalidRequestError("prompts is empty; pass a string, a token-id list, or a list of them")
-        per_prompt = self._params_for(params, len(prompts))
-        encoded = [self.encode(p, f"prompt {i}") for i, p in enumerate(prompts)]
-        for p, sp in zip(encoded, per_prompt):
-            self.engine.check_request(p, sp)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(encoded, per_prompt)]
-        done: dict[Any, RequestOutput] = {}
+        prompts = _prompt_list(prompts)
+        request_ids = self._submit(prompts, _params_for(params, len(prompts)))
+        trackers = [self._trackers[r] for r in request_ids]
         try:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    done[out.request_id] = out
+            self._drive(lambda: all(t.output is not None for t in trackers))
         finally:
-            for request_id in ids:             # after an error, leave nothing behind for the next call
-                if request_id not in done:
-                    self.engine.abort(request_id)
-        return [done[i] for i in ids]
+            self._cancel(request_ids)        # after an error, leave nothing behind for the next call
+        return [t.output for t in trackers]
 
-    @staticmethod
-    def _params_for(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-        if params is None or isinstance(params, SamplingParams):
-            return [params or SamplingParams()] * n
-        params = list(params)
-        if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
-            raise InvalidRequestError(f"params must be one SamplingParams or one per prompt ({n}); got "
-                                      f"{len(params)} items")
-        return params
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Stream:
+        """Submit one request now; iterate the result for text deltas (token-id lists without a tokenizer)."""
+        params = params or SamplingParams()
+        (request_id,) = self._submit([prompt], [params])
+        return Stream(self, request_id, self._trackers[request_id], params)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"a chat needs the artifact's {TOKENIZER_FILE} and chat template; this "
+                                      "artifact has no tokenizer")
+        return self.tokenizer.apply_chat_template(messages)
+
+    # --- the shared engine ----------------------------------------------------------------------------------
+
+    def _on_update(self, request_id: Hashable, token_ids: list[int], output: RequestOutput | None) -> None:
+        tracker = self._trackers.get(request_id)
+        if tracker is not None:
+            tracker.token_ids.extend(token_ids)
+            if output is not None:
+                tracker.output = output
+
+    def _drive(self, done: Callable[[], bool]) -> None:
+        """Run steps (for everyone's requests) until `done()` holds."""
+        while True:
+            with self._lock:
+                if done():
+                    return
+                steps = self.engine.num_steps
+                self.engine.step()
+                if self.engine.num_steps == steps and not done():
+                    raise UnispecError("the engine scheduled nothing while requests wait; this is a bug, "
+                                       "please report it with the LLM's settings")
+
+    def _cancel(self, request_ids: Sequence[Hashable]) -> None:
+        with self._lock:
+            for request_id in request_ids:
+                self.engine.abort(request_id)
+                self._trackers.pop(request_id, None)
+
+
+class Stream:
+    """One streamed request. Iterate once for deltas; `output` holds the RequestOutput once finished.
+
+    Leaving the iteration early (break, an exception, `cancel()`) cancels the request and frees its blocks.
+    """
+
+    def __init__(self, llm: LLM, request_id: Hashable, tracker: _Tracker, params: SamplingParams) -> None:
+        self.request_id = request_id
+        self._llm, self._tracker, self._params = llm, tracker, params
+
+    @property
+    def output(self) -> RequestOutput | None:
+        return self._tracker.output
+
+    def cancel(self) -> None:
+        """Stop the request now (its output, finish_reason "cancelled", keeps what was generated)."""
+        self._llm._cancel([self.request_id])
+
+    def __iter__(self) -> Iterator[str] | Iterator[list[int]]:
+        tracker, as_text = self._tracker, self._llm.tokenizer is not None
+        sent_tokens, sent_text = 0, ""
+        try:
+            while True:
+                seen = len(tracker.token_ids)
+                self._llm._drive(lambda seen=seen: tracker.output is not None or len(tracker.token_ids) > seen)
+                if not as_text and len(tracker.token_ids) > sent_tokens:
+                    yield tracker.token_ids[sent_tokens:]
+                    sent_tokens = len(tracker.token_ids)
+                text = self._visible_text() if as_text else ""
+                if text.startswith(sent_text) and len(text) > len(sent_text):
+                    yield text[len(sent_text):]
+                    sent_text = text
+                if tracker.output is not None:
+                    return
+        finally:
+            self.cancel()                        # a no-op once finished; also forgets the tracker
+
+    def _visible_text(self) -> str:
+        """The text that can no longer change: the final text, or all but a possibly growing tail."""
+        tracker = self._tracker
+        if tracker.output is not None:
+            return tracker.output.text
+        text = self._llm.tokenizer.decode(tracker.token_ids).rstrip("\ufffd")   # half a UTF-8 character
+        for stop in self._params.stop_strings:
+            held = next((j for j in range(len(stop) - 1, 0, -1) if text.endswith(stop[:j])), 0)
+            text = text[:len(text) - held]     # might become a stop string, which is cut from the output
+        return text
+
+
+def _is_chat(prompt: object) -> bool:
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) > 0 \
+        and all(isinstance(m, Mapping) for m in prompt)
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str) or _is_chat(prompts):
+        return [prompts]                        # one text or one chat
+    if not isinstance(prompts, Sequence):
+        raise InvalidRequestError(f"prompts is a {type(prompts).__name__}; pass a string, a token-id list, a "
+                                  "chat, or a list of them")
+    if not prompts:
+        raise InvalidRequestError("prompts is empty; pass a string, a token-id list, a chat, or a list of them")
+    if not isinstance(prompts[0], (str, Sequence)):
+        return [prompts]                        # one token-id list
+    return list(prompts)
+
+
+def _params_for(params: Params, n: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
+    params = list(params)
+    if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+        raise InvalidRequestError(f"params must be one SamplingParams or one per prompt ({n}); got "
+                                  f"{len(params)} items")
+    return params

@@ -31,6 +31,13 @@ class RequestNoise:
         self.steps = 0
         self._generator = np.random.Generator(np.random.PCG64(self.seed))
 
+    def checkpoint(self) -> tuple[dict, int]:
+        """Where the stream stands; `rewind` returns to it (a step that failed must not use up noise)."""
+        return self._generator.bit_generator.state, self.steps
+
+    def rewind(self, checkpoint: tuple[dict, int]) -> None:
+        self._generator.bit_generator.state, self.steps = checkpoint
+
     def next(self, num_positions: int, channels: int) -> np.ndarray:
         """The next step's block: [num_positions, channels] float32 in [0, 1)."""
         block = self._generator.random((num_positions, channels), dtype=np.float32)

@@ -28,6 +28,8 @@ from runtime.errors import ArtifactError, BackendUnavailableError, UnispecError
 __all__ = ["OrtBackend", "default_providers"]
 
 _BFLOAT16_ONNX_TYPE = 16   # TensorProto.BFLOAT16: numpy has no native bfloat16 for ORT to recognise
+_ORT_TYPE_NAMES = {"float32": "float", "float16": "float16", "bfloat16": "bfloat16", "int64": "int64",
+                   "int32": "int32", "bool": "bool"}
 
 
 def _ort() -> Any:
@@ -151,3 +153,13 @@ def _check_io(session: Any, manifest: io.Manifest, model: Path) -> None:
         diff = sorted(graph_inputs ^ listed_inputs) + sorted(graph_outputs ^ listed_outputs)
         raise ArtifactError(f"{model}: graph inputs/outputs differ from manifest.json ({diff}); the artifact "
                             "is damaged, re-export it")
+    specs = {t.name: t for t in (*manifest.inputs, *manifest.outputs)}
+    for value in (*session.get_inputs(), *session.get_outputs()):
+        spec = specs[value.name]
+        same_type = value.type == f"tensor({_ORT_TYPE_NAMES[spec.dtype]})"
+        same_static_dims = len(value.shape) == len(spec.shape) and all(
+            got == want for got, want in zip(value.shape, spec.shape) if isinstance(got, int))
+        if not (same_type and same_static_dims):
+            raise ArtifactError(f"{model}: {value.name} is {value.type} {value.shape} in the graph but "
+                                f"{spec.dtype} {list(spec.shape)} in manifest.json; the manifest belongs to another "
+                                "export, re-export the artifact")

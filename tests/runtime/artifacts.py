@@ -1,7 +1,10 @@
 """Tiny artifacts for the runtime tests: tiny checkpoints -> unified step -> artifact dir.
 
-Uses `export.artifact.export_model` when it exists; until then writes model.onnx with
-`export.onnx_export.export_step` and a manifest built from the exported graph's own inputs/outputs.
+Plain cases (CASES) carry no tokenizer and no structured output. A "-json" case (JSON_CASES) is the same
+pair whose target checkpoint first gets a byte-level BPE tokenizer trained here (vocabulary <= the tiny
+models' 320, with <s> / </s>, <think> / </think> and chat-role special tokens), a generation_config.json
+naming its BOS / EOS and a tokenizer_config.json with a chat template (export_model copies them), and
+which is exported with structured output (the `token_bitmask` input).
 Returns the torch step too (same checkpoints, same weights): the reference the runtime must match.
 """
 
@@ -11,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
+import torch
 
 from runtime import manifest as io
 
@@ -21,7 +24,8 @@ MAX_BATCH = 8
 MAX_TOKENS_PER_STEP = 64
 K = 3
 
-# (tiny family, tiny draft kind) for every method; `none` once per family
+# (tiny family, tiny draft kind) for every method; `none` once per family. Exported as the other runtime
+# and engine tests expect them: no tokenizer, no structured output.
 CASES: dict[str, tuple[str, str]] = {
     "llama3-none": ("llama3", "none"), "deepseek-v3-none": ("deepseek-v3", "none"), "gemma4-none": ("gemma4", "none"),
     "llama3-eagle3": ("llama3", "eagle3"), "llama3-dflash": ("llama3", "dflash"),
@@ -29,8 +33,16 @@ CASES: dict[str, tuple[str, str]] = {
     "deepseek-v3-eagle3": ("deepseek-v3", "eagle3"), "deepseek-v3-eagle3-mha": ("deepseek-v3", "eagle3-mha"),
     "gemma4-gemma4-mtp": ("gemma4", "gemma4-assistant"),
 }
+# "<case>-json": the same pair with the test tokenizer and structured output (the `token_bitmask` input)
+JSON_SUFFIX = "-json"
+JSON_CASES: dict[str, tuple[str, str]] = {f"{case}{JSON_SUFFIX}": pair for case, pair in CASES.items()}
 METHOD_OF_DRAFT = {"gemma4-assistant": "gemma4-mtp"}
-_ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32", 9: "bool"}
+
+# the test tokenizer's special tokens, in id order
+UNK, BOS, EOS, THINK, END_THINK, USER, ASSISTANT = range(7)
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<think>", "</think>", "<|user|>", "<|assistant|>")
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,14 @@ class TinyArtifact:
     step: object          # the torch UnifiedStep built from the same checkpoints
     family: str
     method: str
+
+    def run_torch(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The torch step on feeds without `token_bitmask` (export/generate.py's): every token allowed."""
+        if getattr(self.step, "structured_output", False) and io.TOKEN_BITMASK not in feeds:
+            batch, k = feeds[io.DRAFT_TOKENS].shape
+            vocab = io.Manifest.load(self.path).vocab_size
+            feeds = {**feeds, io.TOKEN_BITMASK: torch.full((batch, k + 1, -(-vocab // 32)), -1, dtype=torch.int32)}
+        return self.step.run(feeds)
 
 
 def _k_for(method: str, draft_dir: Path | None) -> int:
@@ -49,50 +69,43 @@ def _k_for(method: str, draft_dir: Path | None) -> int:
     return K
 
 
+def write_tokenizer(target_dir: Path, vocab_size: int) -> None:
+    """A byte-level BPE (vocabulary <= vocab_size) trained on JSON-ish and plain text, plus its configs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [json.dumps({"a": i * 7 % 1000, "b": i % 3 == 0, "name": f"item {i}"}, separators=(",", ":"))
+              for i in range(300)]
+    corpus += ["the quick brown fox jumps over the lazy dog", "hello world, this is a tiny tokenizer"] * 20
+    tokenizer.train_from_iterator(corpus, trainer)
+    assert tokenizer.get_vocab_size() <= vocab_size
+    assert [tokenizer.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    tokenizer.save(str(target_dir / "tokenizer.json"))
+    (target_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": BOS, "eos_token_id": EOS}))
+    (target_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": SPECIAL_TOKENS[BOS], "eos_token": SPECIAL_TOKENS[EOS], "chat_template": CHAT_TEMPLATE}))
+
+
 def make_artifact(case: str, root: Path) -> TinyArtifact:
+    from export.artifact import export_model
     from export.methods import build_step
     from export.tiny import write_tiny
 
-    family, draft = CASES[case]
+    family, draft = {**CASES, **JSON_CASES}[case]
+    structured = case in JSON_CASES
     method = METHOD_OF_DRAFT.get(draft, draft)
     paths = write_tiny(family=family, draft=draft, out_dir=root / "checkpoints", seed=0)
+    if structured:
+        write_tokenizer(paths["target"], vocab_size=320)
     k = _k_for(method, paths.get("draft"))
     step = build_step(method, paths["target"], paths.get("draft"), k=k).eval()
+    step.structured_output = structured
     out = root / "artifact"
-    try:
-        from export.artifact import export_model
-    except ImportError:
-        _fallback_export(step, method, paths["target"], out)
-    else:
-        export_model(paths["target"], paths.get("draft"), method=method, num_speculative_tokens=k, out_dir=out,
-                     block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_batch_size=MAX_BATCH,
-                     max_tokens_per_step=MAX_TOKENS_PER_STEP, progress=False)
+    export_model(paths["target"], paths.get("draft"), method=method, num_speculative_tokens=k, out_dir=out,
+                 structured_output=structured, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                 max_batch_size=MAX_BATCH, max_tokens_per_step=MAX_TOKENS_PER_STEP, progress=False)
     return TinyArtifact(out, step, family, method)
-
-
-def _fallback_export(step, method: str, target_dir: Path, out: Path) -> None:
-    from export.onnx_export import example_feeds, export_step
-    from export.step.spec_glue import NOISE_CHANNELS
-
-    config = json.loads((target_dir / "config.json").read_text())
-    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
-    out.mkdir(parents=True, exist_ok=True)
-    export_step(step, out / io.MODEL_NAME, example_feeds(step, vocab=vocab))
-    graph = onnx.load(str(out / io.MODEL_NAME), load_external_data=False).graph
-    eos = config.get("eos_token_id")
-    io.Manifest(
-        method=method, num_speculative_tokens=step.k, target_arch=config["model_type"], vocab_size=vocab,
-        dtype="float32", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_batch_size=MAX_BATCH,
-        max_tokens_per_step=MAX_TOKENS_PER_STEP, noise_channels=NOISE_CHANNELS,
-        pools=tuple(io.PoolSpec(name=name, delta=io.DELTA_OF_POOL[name], num_layers=layers, width=width,
-                                dtype="float32") for name, (layers, width) in step.pool_shapes().items()),
-        inputs=tuple(_spec(v) for v in graph.input), outputs=tuple(_spec(v) for v in graph.output),
-        weights_file=io.WEIGHTS_NAME if (out / io.WEIGHTS_NAME).exists() else None,
-        tokenizer=io.TokenizerInfo(eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos or ())),
-    ).write(out)
-
-
-def _spec(value: onnx.ValueInfoProto) -> io.TensorSpec:
-    t = value.type.tensor_type
-    return io.TensorSpec(name=value.name, dtype=_ONNX_DTYPES[t.elem_type],
-                         shape=tuple(d.dim_param or d.dim_value for d in t.shape.dim))

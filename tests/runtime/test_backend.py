@@ -39,3 +39,55 @@ def test_step_bounds_leave_room_for_the_draft_steps() -> None:
         num_speculative_tokens, block_size, max_model_len, max_batch_size, max_tokens_per_step = 3, 4, 128, 8, 64
 
     assert step_bounds(M()) == {"batch": 8, "num_tokens": 64, "max_blocks": -(-(128 + 7) // 4)}
+
+
+def _specs() -> tuple[TensorSpec, ...]:
+    return (TensorSpec(name="tokens", dtype="int64", shape=("num_tokens",)),
+            TensorSpec(name="in_thinking_phase", dtype="bool", shape=("batch",)),
+            TensorSpec(name="noise", dtype="float32", shape=("batch", 4, 3)))
+
+
+def test_buffers_come_from_the_allocator_once() -> None:
+    arenas: list[np.ndarray] = []
+
+    def allocate(num_bytes: int) -> np.ndarray:
+        arenas.append(np.full(num_bytes, 0xAB, dtype=np.uint8))
+        return arenas[-1]
+
+    buffers = PersistentInputBuffers(_specs(), {"batch": 4, "num_tokens": 16}, allocator=allocate)
+    assert [a.nbytes for a in arenas] == [16 * 8, 4, 4 * 4 * 3 * 4]
+    for name, arena in zip(buffers.names(), arenas):
+        assert buffers.address(name) == arena.ctypes.data
+        assert not buffers.view(name, (2,)).any()                 # zeroed, whatever the allocator left there
+    assert buffers.view("tokens", (16,)).dtype == np.int64 and buffers.view("noise", (4, 4, 3)).dtype == np.float32
+
+
+def test_buffers_are_pinned_only_where_cuda_is() -> None:
+    from runtime.backend import cuda_runtime, pinned_allocator
+
+    buffers = PersistentInputBuffers(_specs(), {"batch": 4, "num_tokens": 16})
+    assert buffers.pinned == (cuda_runtime() is not None)
+    if cuda_runtime() is None:
+        with pytest.raises(UnispecError, match="pinned host buffers need the CUDA runtime"):
+            pinned_allocator()
+
+
+@pytest.mark.gpu
+def test_pinned_buffers_are_page_locked_host_memory() -> None:
+    import ctypes
+
+    from runtime.backend import cuda_runtime
+
+    buffers = PersistentInputBuffers(_specs(), {"batch": 4, "num_tokens": 16}, pinned=True)
+    lib = cuda_runtime()
+
+    class Attributes(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("device_pointer", ctypes.c_void_p),
+                    ("host_pointer", ctypes.c_void_p)]
+
+    attributes = Attributes()
+    assert lib.cudaPointerGetAttributes(ctypes.byref(attributes), ctypes.c_void_p(buffers.address("noise"))) == 0
+    assert attributes.type == 1                                  # cudaMemoryTypeHost: page-locked host memory
+    view = buffers.view("noise", (2, 4, 3))
+    view[...] = 0.5
+    assert float(buffers.view("noise", (24,)).sum()) == 12.0

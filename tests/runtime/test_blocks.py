@@ -1,4 +1,5 @@
-"""BlockManager: tables grow on demand, blocks are never handed out twice, refcounts, clear errors."""
+"""BlockManager: tables grow on demand, blocks are never handed out twice, refcounts, clear errors; pool
+sizing from a byte budget over every pool of the artifact."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.blocks import BlockManager
-from runtime.errors import OutOfBlocksError, UnispecError
+from runtime.blocks import BlockManager, blocks_per_request, num_blocks_for_budget
+from runtime.errors import InvalidRequestError, OutOfBlocksError, UnispecError
 
 
 def test_tables_grow_to_cover_positions() -> None:
@@ -71,3 +72,26 @@ def test_any_sequence_keeps_the_books_and_returns_every_block(ops, num_blocks, b
             blocks.free(r)
     assert blocks.num_free == num_blocks
     assert all(blocks.refcount(b) == 0 for b in range(num_blocks))
+
+
+def test_pool_sizing_counts_target_and_draft_pools() -> None:
+    from tests.runtime.test_manifest import sample
+
+    manifest = sample()                          # bf16 target 3 x 64 + fp32 draft 1 x 48 per token, blocks of 16
+    block_bytes = (3 * 64 * 2 + 48 * 4) * 16
+    per_request = blocks_per_request(manifest)   # ceil((100 + 2 * 2 + 1) / 16)
+    assert per_request == 7 and blocks_per_request(manifest, 20) == 2
+    assert num_blocks_for_budget(manifest, 10 * block_bytes + block_bytes - 1) == 10
+    assert num_blocks_for_budget(manifest, 10**12) == manifest.max_batch_size * per_request   # capped
+    assert num_blocks_for_budget(manifest, 10**12, max_model_len=20) == manifest.max_batch_size * 2
+    with pytest.raises(InvalidRequestError, match="holds 6 KV blocks; one max_model_len request needs 7"):
+        num_blocks_for_budget(manifest, 6 * block_bytes)
+
+
+def test_release_tolerates_requests_without_blocks() -> None:
+    blocks = BlockManager(num_blocks=4, block_size=2)
+    blocks.release("never")
+    blocks.allocate("a", 3)
+    blocks.release("a")
+    blocks.release("a")
+    assert blocks.num_free == 4

@@ -2,8 +2,9 @@
 
 For every method whose builder exists: same requests (mixed prompt lengths, one joining at step 5,
 chunked prefill), same per-request seeds -> identical tokens, greedy and seeded sampling, 64 new tokens
-each; the step outputs the engine saw equal torch's on the same feeds (deltas within 1e-4); greedy
-speculative output equals the same target's `none` artifact output.
+each, every feed being the engine's persistent buffer; the step outputs the engine saw equal torch's on
+the same feeds (deltas within 1e-4); greedy speculative output equals the same target's `none` artifact
+output; a pool too small for the load preempts and recomputes requests without changing their tokens.
 
 Fast: llama3 `none` and llama3 `eagle3`. Every other case is `slow` (one export each, 20-60 s on 2 cores).
 """
@@ -69,7 +70,8 @@ def _reference(art: TinyArtifact, manifest: Manifest, sampled: bool) -> list[lis
     geometry = StepGeometry(k=art.step.k, pools=art.step.pool_shapes(), noise_channels=manifest.noise_channels,
                             block_size=manifest.block_size, num_blocks=NUM_BLOCKS, max_batch=manifest.max_batch_size,
                             prefill_chunk=PREFILL_CHUNK)
-    return [g.tokens for g in generate(art.step.run, geometry, requests)]
+    # Both loops draw a request's noise only on steps that produce its tokens (export/generate.py).
+    return [g.tokens for g in generate(art.run_torch, geometry, requests)]
 
 
 class Recorder:
@@ -95,9 +97,24 @@ class Recorder:
         self.inner.commit(outputs, slots, rows)
 
 
+class AddressCheck(Recorder):
+    """Asserts that every step's feeds are the engine's persistent buffers, filled in place."""
+
+    def __init__(self, inner: OrtBackend) -> None:
+        super().__init__(inner, ())
+        self.engine: Engine | None = None
+
+    def run(self, feeds):
+        for name, value in feeds.items():
+            assert value.ctypes.data == self.engine.buffers.address(name), f"{name} is not the persistent buffer"
+        return super().run(feeds)
+
+
 def run_engine(backend, sampled: bool) -> list[RequestOutput]:
     """The reference's schedule through the runtime: request i joins at its arrival step."""
     engine = Engine(backend, prefill_chunk=PREFILL_CHUNK)
+    if isinstance(backend, AddressCheck):
+        backend.engine = engine
     prompts, done, step = _prompts(backend.manifest.vocab_size), {}, 0
     pending = sorted(range(len(prompts)), key=lambda i: SHAPES[i][1])
     while pending or engine.has_unfinished():
@@ -120,9 +137,10 @@ def _backend(art: TinyArtifact) -> OrtBackend:
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_tokens_equal_the_torch_reference(case: str, sampled: bool, tiny_artifact) -> None:
     art = tiny_artifact(case)
-    backend = _backend(art)
+    backend = AddressCheck(_backend(art))
     want = _reference(art, backend.manifest, sampled)
     got = run_engine(backend, sampled)
+    assert backend.count > 20
     for i, (g, w) in enumerate(zip(got, want)):
         assert len(g.token_ids) == NEW_TOKENS and g.finish_reason == "length"
         assert g.token_ids == w, f"request {i}: ORT runtime diverges from the torch reference"
@@ -137,7 +155,7 @@ def test_step_outputs_equal_torch_on_the_same_feeds(case: str, tiny_artifact) ->
     assert len(recorder.records) == len(RECORDED_STEPS)
     for feeds, pools, outputs in recorder.records:
         torch_feeds = {n: torch.from_numpy(v) for n, v in {**feeds, **pools}.items()}
-        want = art.step.run(torch_feeds)
+        want = art.run_torch(torch_feeds)
         for name, value in outputs.items():
             expected = want[name].numpy()
             assert value.shape == expected.shape, name
@@ -162,19 +180,26 @@ def test_greedy_speculative_equals_target_only(case: str, tiny_artifact) -> None
         assert all(0 <= a <= k for a in m.accepted_per_step)
 
 
-def test_a_small_pool_and_short_chunks_queue_requests_without_changing_greedy_tokens(tiny_artifact) -> None:
-    """30 blocks hold one long request at a time: the others wait for blocks, then join; no error."""
-    art = tiny_artifact("llama3-eagle3")
-    want = [o.token_ids for o in run_engine(_backend(art), sampled=False)]
+@pytest.mark.parametrize("case", SPECULATIVE_CASES + [_params("llama3-none")])
+def test_a_small_pool_preempts_the_newest_and_recomputes_it_without_changing_tokens(case: str, tiny_artifact):
+    """30 blocks of 4 cannot hold four 64-token requests: the newest ones are preempted (blocks freed, put
+    back in front of the queue) and recomputed later; greedy and seeded tokens stay those of a roomy pool."""
+    art = tiny_artifact(case)
+    roomy = {sampled: [o.token_ids for o in run_engine(_backend(art), sampled=sampled)] for sampled in (False, True)}
     engine = Engine(OrtBackend(art.path, Manifest.load(art.path), num_blocks=30), prefill_chunk=5)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in _prompts(engine.manifest.vocab_size)]
+    prompts = _prompts(engine.manifest.vocab_size)
+    params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, **_sampling(i % 2 == 1, i)) for i in range(4)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     with pytest.raises(InvalidRequestError, match="already in use"):
-        engine.add_request([1, 2], params, request_id=ids[0])
-    done, most_running = {}, 0
+        engine.add_request([1, 2], params[0], request_id=ids[0])
+    done = {}
     while engine.has_unfinished():
         for out in engine.step():
-            done[out.request_id] = out.token_ids
-        most_running = max(most_running, len(engine.running))
-    assert [done[i] for i in ids] == want
-    assert most_running < len(ids) and engine.blocks.num_free == 30
+            done[out.request_id] = out
+        held = sum(len(engine.blocks.table(s.request_id)) for s in engine.running)
+        assert held + engine.blocks.num_free == 30 and not any(s.request_id in engine.blocks for s in engine.waiting)
+    assert engine.scheduler.num_preemptions > 0
+    assert sum(done[i].metrics.num_preemptions for i in ids) == engine.scheduler.num_preemptions
+    for i in ids:
+        assert done[i].token_ids == roomy[i % 2 == 1][i], f"request {i} changed after preemption"
+    assert engine.blocks.num_free == 30

@@ -1,10 +1,13 @@
-"""LLM: strings and id lists in, tokens + text + metrics out; stop conditions; pool sizing; one-line
-errors for bad requests (after which the LLM still serves) and for damaged artifacts."""
+"""LLM: strings, id lists and chats in, tokens + text + metrics out; stop conditions; pool sizing; one-line
+errors for bad requests (after which the LLM still serves) and for damaged artifacts; streaming (text as
+it is committed, never a stop string; breaking out cancels); several threads at once; relaxed thinking
+only on request; a failing step fails the call and leaves nothing behind."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -13,6 +16,7 @@ from runtime import manifest as io
 from runtime.errors import ArtifactError, InvalidRequestError, UnispecError
 from runtime.llm import LLM
 from runtime.sampling_params import SamplingParams
+from tests.runtime.artifacts import ASSISTANT, BOS, END_THINK, JSON_SUFFIX, THINK, USER
 
 CASE = "llama3-eagle3"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -55,7 +59,7 @@ def test_strings_and_id_lists_give_tokens_text_and_metrics(llm: LLM) -> None:
     assert outs[0].prompt_token_ids == [5, 17, 33, 64] and outs[1].prompt_token_ids == [9, 8, 7, 6, 5, 4, 3]
     for out in outs:
         assert len(out.token_ids) == 12 and out.finish_reason == "length"
-        assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        assert out.text == llm.tokenizer.decode(out.token_ids)
         m = out.metrics
         assert m.num_generated == 12 and m.tokens_per_s > 0 and m.elapsed_s > 0
         assert len(m.acceptance_per_position) == llm.manifest.num_speculative_tokens
@@ -128,8 +132,8 @@ def test_bad_requests_fail_in_one_line_and_the_llm_keeps_serving(artifact) -> No
     assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids == want
 
 
-def test_strings_need_a_tokenizer(tiny_artifact) -> None:
-    llm = LLM(tiny_artifact(CASE).path, num_blocks=64)
+def test_strings_need_a_tokenizer(artifact, tmp_path) -> None:
+    llm = LLM(_copy(artifact, tmp_path / "bare", tokenizer=False), num_blocks=64)
     assert llm.tokenizer is None
     with pytest.raises(InvalidRequestError, match="no tokenizer.json; pass token ids"):
         llm.generate(["hello"])
@@ -175,3 +179,164 @@ def test_the_facade_exports_these_classes() -> None:
     from runtime.sampling_params import SamplingParams as Params
 
     assert unispec.LLM is LLM and unispec.SamplingParams is Params
+
+
+# --- streaming, threads, chat, thinking, failures (the artifact with a trained tokenizer) ---------------------
+
+@pytest.fixture(scope="module")
+def json_llm(tiny_artifact) -> LLM:
+    return LLM(tiny_artifact(CASE + JSON_SUFFIX).path, num_blocks=96)
+
+
+def test_stream_yields_the_text_as_it_is_committed(json_llm: LLM) -> None:
+    for params in (GREEDY, SamplingParams(temperature=1.0, seed=3, max_tokens=16), SamplingParams(
+            temperature=0.0, max_tokens=30, json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})):
+        want = json_llm.generate(["hello world"], params)[0]
+        stream = json_llm.stream("hello world", params)
+        deltas = list(stream)
+        assert "".join(deltas) == want.text == stream.output.text and all(deltas)
+        assert stream.output.token_ids == want.token_ids and len(deltas) > 1
+        assert "tokens/s" in stream.output.summary() and "acceptance per position" in stream.output.summary()
+    assert json_llm.engine.blocks.num_free == json_llm.num_blocks and not json_llm._trackers
+
+
+def test_streamed_text_never_shows_a_stop_string(json_llm: LLM) -> None:
+    full = json_llm.generate(["the quick"], GREEDY)[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert len(stop) == 3
+    stream = json_llm.stream("the quick", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=stop))
+    seen = ""
+    for delta in stream:
+        seen += delta
+        assert stop not in seen
+    assert seen == stream.output.text == full[:full.index(stop)] and stream.output.finish_reason == "stop"
+
+
+def test_stream_without_a_tokenizer_yields_token_ids_and_breaking_out_cancels(artifact, tmp_path) -> None:
+    llm = LLM(_copy(artifact, tmp_path / "bare", tokenizer=False), num_blocks=64)
+    want = llm.generate([[4, 5, 6]], GREEDY)[0].token_ids
+    stream = llm.stream([4, 5, 6], GREEDY)
+    assert [t for chunk in stream for t in chunk] == want
+    stream = llm.stream([4, 5, 6], GREEDY)
+    for _ in stream:
+        break
+    assert stream.output.finish_reason == "cancelled" and len(stream.output.token_ids) < 12
+    assert llm.engine.blocks.num_free == 64 and not llm.engine.has_unfinished()
+    never_iterated = llm.stream([4, 5, 6], GREEDY)
+    never_iterated.cancel()
+    assert never_iterated.output.finish_reason == "cancelled" and never_iterated.output.token_ids == []
+
+
+def test_threads_share_the_engine_and_each_gets_its_own_outputs(json_llm: LLM) -> None:
+    prompts = [[[7 + t, 8 + i, 9] for i in range(3)] for t in range(4)]
+    params = [SamplingParams(temperature=0.0 if t % 2 else 0.9, seed=t, max_tokens=10 + t, ignore_eos=True)
+              for t in range(4)]
+    want = [json_llm.generate(p, sp) for p, sp in zip(prompts, params)]
+    streamed_want = json_llm.generate(["hello"], GREEDY)[0].text
+    results: dict[int, object] = {}
+    barrier = threading.Barrier(5)
+
+    def generate(t: int) -> None:
+        barrier.wait()
+        results[t] = json_llm.generate(prompts[t], params[t])
+
+    def stream() -> None:
+        barrier.wait()
+        results[4] = "".join(json_llm.stream("hello", GREEDY))
+
+    threads = [threading.Thread(target=generate, args=(t,)) for t in range(4)] + [threading.Thread(target=stream)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert [[o.token_ids for o in results[t]] for t in range(4)] == [[o.token_ids for o in w] for w in want]
+    assert results[4] == streamed_want
+    assert json_llm.engine.blocks.num_free == json_llm.num_blocks and not json_llm._trackers
+
+
+def test_chats_go_through_the_chat_template(json_llm: LLM, artifact) -> None:
+    chat = [{"role": "user", "content": "hello"}]
+    text = json_llm.apply_chat_template(chat)
+    assert text == "<s><|user|>hello<|assistant|>"
+    ids = json_llm.generate(chat, GREEDY)[0].prompt_token_ids
+    assert ids == json_llm.tokenizer.encode(text, add_special_tokens=False)
+    assert ids[0] == BOS and ids[1] == USER and ids[-1] == ASSISTANT
+    with pytest.raises(InvalidRequestError, match="needs a chat template"):
+        LLM(artifact, num_blocks=16).generate([chat])
+
+
+class Recording:
+    """Keeps every step's in_thinking_phase feed."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.thinking = inner, []
+        self.manifest, self.num_blocks, self.pools = inner.manifest, inner.num_blocks, inner.pools
+
+    def input_specs(self):
+        return self.inner.input_specs()
+
+    def run(self, feeds):
+        self.thinking.append(feeds[io.IN_THINKING_PHASE].tolist())
+        return self.inner.run(feeds)
+
+    def commit(self, outputs, slots, rows) -> None:
+        self.inner.commit(outputs, slots, rows)
+
+
+def test_thinking_rows_relax_only_when_the_request_opts_in(tiny_artifact, artifact) -> None:
+    llm = LLM(tiny_artifact(CASE + JSON_SUFFIX).path, num_blocks=64)
+    assert (llm.manifest.tokenizer.think_start_id, llm.manifest.tokenizer.think_end_id) == (THINK, END_THINK)
+    recording = llm.engine.backend = Recording(llm.engine.backend)
+    thinking_prompt = [5, 6, THINK, 7]
+    llm.generate([thinking_prompt, thinking_prompt, [5, 6, THINK, 7, END_THINK]],
+                 [SamplingParams(max_tokens=6, ignore_eos=True, relaxed_thinking=True, seed=1),
+                  SamplingParams(max_tokens=6, ignore_eos=True, seed=1),
+                  SamplingParams(max_tokens=6, ignore_eos=True, relaxed_thinking=True, seed=1)])
+    assert recording.thinking[0] == [True, False, False]          # opted in and inside <think> ... </think>
+    assert all(row[1:] == [False, False] for row in recording.thinking)
+    with pytest.raises(InvalidRequestError, match="relaxed_thinking needs the tokenizer's <think> and </think>"):
+        LLM(artifact, num_blocks=16).generate([[1, 2]], SamplingParams(relaxed_thinking=True))
+
+
+class Failing:
+    """A backend whose steps fail while `broken` is set."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.broken = inner, True
+        self.manifest, self.num_blocks, self.pools = inner.manifest, inner.num_blocks, inner.pools
+
+    def input_specs(self):
+        return self.inner.input_specs()
+
+    def run(self, feeds):
+        if self.broken:
+            raise RuntimeError("device lost")
+        return self.inner.run(feeds)
+
+    def commit(self, outputs, slots, rows) -> None:
+        self.inner.commit(outputs, slots, rows)
+
+
+def test_a_failing_step_fails_the_call_and_the_llm_keeps_serving(artifact) -> None:
+    llm = LLM(artifact, num_blocks=32)
+    want = llm.generate([[5, 6, 7], [8]], GREEDY)
+    failing = llm.engine.backend = Failing(llm.engine.backend)
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate([[5, 6, 7], [8]], GREEDY)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_free == 32 and not llm._trackers
+    failing.broken = False
+    assert [o.token_ids for o in llm.generate([[5, 6, 7], [8]], GREEDY)] == [o.token_ids for o in want]
+
+
+def test_bad_settings_and_constraints_fail_before_anything_runs(json_llm: LLM, artifact) -> None:
+    with pytest.raises(InvalidRequestError, match=r"max_model_len=500 is invalid; use an int in \[2, 128\]"):
+        LLM(artifact, num_blocks=16, max_model_len=500)
+    with pytest.raises(InvalidRequestError, match=r"prefill_chunk=0 is invalid"):
+        LLM(artifact, num_blocks=16, prefill_chunk=0)
+    short = LLM(artifact, num_blocks=16, max_model_len=10)
+    with pytest.raises(InvalidRequestError, match="max_model_len is 10"):
+        short.generate([list(range(1, 11))])
+    assert len(short.generate([[1, 2, 3]], SamplingParams(max_tokens=50, temperature=0.0))[0].token_ids) == 7
+    with pytest.raises(InvalidRequestError, match="json_schema does not compile"):
+        json_llm.generate([[5], [6]], [GREEDY, SamplingParams(json_schema={"type": "object", "minProperties": "x"})])
+    assert not json_llm.engine.has_unfinished() and not json_llm._trackers

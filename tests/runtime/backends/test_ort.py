@@ -30,7 +30,9 @@ def decode_feeds(manifest: Manifest, *, batch: int = 4, cache: int = 20, seed: i
     rng = np.random.default_rng(seed)
     k, bs = manifest.num_speculative_tokens, manifest.block_size
     max_blocks = -(-(cache + 1 + 2 * k + 1) // bs)
-    return {
+    bitmask = {io.TOKEN_BITMASK: np.full((batch, k + 1, -(-manifest.vocab_size // 32)), -1, np.int32)} \
+        if manifest.structured_output else {}
+    return {**bitmask,
         io.TOKENS: rng.integers(1, manifest.vocab_size, batch), io.ROW_OFFSETS: np.arange(batch + 1),
         io.POSITIONS: np.full(batch, cache), io.CACHE_LENGTHS: np.full(batch, cache),
         io.BLOCK_TABLE: np.arange(batch * max_blocks).reshape(batch, max_blocks),
@@ -148,6 +150,25 @@ def test_damaged_artifacts_fail_in_one_line(artifact, tmp_path) -> None:
     d["outputs"] = d["outputs"][:-1]                   # manifest and graph disagree
     (path / io.MANIFEST_NAME).write_text(json.dumps(d))
     assert "differ" in _one_line_error(path)
+
+
+def test_a_manifest_of_another_export_is_refused(artifact, tmp_path) -> None:
+    """Same names, other geometry (another block size, another dtype): caught when the session opens."""
+    for edit in ({"block_size": 8}, {"dtype": "float16"}):
+        path = _copy(artifact, tmp_path / next(iter(edit)))
+        d = json.loads((path / io.MANIFEST_NAME).read_text())
+        for spec in d["inputs"]:
+            if spec["name"] == io.KV_POOL:
+                if "block_size" in edit:
+                    spec["shape"][2] = edit["block_size"]
+                else:
+                    spec["dtype"] = edit["dtype"]
+        for pool in d["pools"]:
+            pool["dtype"] = edit.get("dtype", pool["dtype"])
+        d.update(edit)
+        (path / io.MANIFEST_NAME).write_text(json.dumps(d))
+        message = _one_line_error(path)
+        assert io.KV_POOL in message and "another export" in message
 
 
 def test_cpu_is_the_default_without_a_gpu_build() -> None:
