@@ -73,25 +73,70 @@ def export(**options: Any) -> None:
 
 @main.command()
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
-@click.option("--recipe", type=click.Path(path_type=Path), default=None, help="Engine build recipe file.")
-@click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
-              help="TensorRT timing cache to read and update.")
-def build(**_: object) -> None:
-    """Build a TensorRT engine into an artifact directory."""
-    _not_yet("build", 8)
+@click.option("--recipe", default=None,
+              help="Recipe file, or a built-in recipe name (default, decode-heavy, prefill-heavy).  [default: default]")
+@click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="TensorRT timing cache to read (when it exists) and update.")
+@click.option("--dry-run", is_flag=True, help="Print the optimization profile and stop (needs no TensorRT).")
+def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, dry_run: bool) -> None:
+    """Build a TensorRT engine into an artifact directory (engine.plan, engine.json, manifest.engine)."""
+    from engines.build import build_engine, describe_plan, load_artifact, plan_build
+    from engines.recipe import load_recipe
+
+    if dry_run:
+        from rich.console import Console
+
+        _, manifest = load_artifact(artifact_dir)
+        for renderable in describe_plan(manifest, plan_build(manifest, load_recipe(recipe))):
+            Console().print(renderable)
+        return
+    click.echo(f"engine: {build_engine(artifact_dir, recipe=recipe, timing_cache=timing_cache)}")
 
 
 @main.command()
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
-@click.option("--prompt", required=True, help="Prompt text.")
-@click.option("--backend", type=click.Choice(("ort", "trt", "torch")), default="ort", show_default=True)
+@click.option("--prompt", default=None, help="Prompt text (wrapped in the tokenizer's chat template with --chat).")
+@click.option("--prompt-ids", default=None, help="Comma-separated prompt token ids (artifacts without a tokenizer).")
+@click.option("--backend", type=click.Choice(("ort", "trt")), default="ort", show_default=True)
 @click.option("--max-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--json-schema", type=click.Path(path_type=Path), default=None,
-              help="Constrain the output to this JSON schema.")
-def run(**_: object) -> None:
-    """Generate from an artifact, streaming to the terminal."""
-    _not_yet("run", 7)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
+@click.option("--min-p", type=float, default=0.0, show_default=True, help="0 = off.")
+@click.option("--seed", type=int, default=None, help="Seed of the request's noise stream (reproducible sampling).")
+@click.option("--json-schema", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Constrain the output to the JSON schema in this file (needs --structured-output at export).")
+@click.option("--chat/--no-chat", default=True, show_default=True,
+              help="Use the tokenizer's chat template, when it has one, for --prompt.")
+def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend: str, json_schema: Path | None,
+        chat: bool, **sampling: Any) -> None:
+    """Generate from an artifact, streaming to the terminal, then one line of speed and acceptance."""
+    import re
+
+    from rich.console import Console
+    from rich.markup import escape
+
+    from runtime.llm import LLM
+    from runtime.sampling_params import SamplingParams
+
+    if (prompt is None) == (prompt_ids is None):
+        raise click.UsageError("give exactly one of --prompt and --prompt-ids")
+    params = SamplingParams(json_schema=json_schema.read_text() if json_schema else None, **sampling)
+    try:
+        request = [int(t) for t in prompt_ids.split(",")] if prompt_ids is not None else prompt
+    except ValueError:
+        raise click.BadParameter(f"{prompt_ids!r} is not a comma-separated list of ints",
+                                 param_hint="--prompt-ids") from None
+    llm = LLM(artifact_dir, backend=backend)
+    if isinstance(request, str) and chat and llm.tokenizer is not None and llm.tokenizer.chat_template:
+        request = [{"role": "user", "content": request}]
+    stream = llm.stream(request, params)
+    for delta in stream:
+        text = delta if isinstance(delta, str) else " ".join(map(str, delta)) + " "
+        # control characters (escape sequences, ...) in generated text must not drive the terminal
+        click.echo(re.sub(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", "", text), nl=False)
+    click.echo()
+    Console(highlight=False, soft_wrap=True).print(f"[dim]{escape(stream.output.summary())}[/dim]")
 
 
 @main.command()
@@ -109,10 +154,41 @@ def bench(**_: object) -> None:
 
 @main.command()
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
-@click.option("--backends", default="torch,ort", show_default=True)
-def compare(**_: object) -> None:
-    """Run the same requests and noise on several backends and compare tokens and logits."""
-    _not_yet("compare", 8)
+@click.option("--backends", default="torch,ort", show_default=True,
+              help="Comma-separated backends (torch, ort, trt); the first is the reference.")
+@click.option("--target", "target_dir", type=_CHECKPOINT_DIR, default=None,
+              help="Checkpoint the artifact was exported from: the torch backend builds its step from it.")
+@click.option("--draft", "draft_dir", type=_CHECKPOINT_DIR, default=None,
+              help="The artifact's draft checkpoint, for methods that have one (torch backend).")
+@click.option("--requests", "num_requests", type=int, default=4, show_default=True,
+              help="Requests to run: even ones greedy, odd ones sampled with their own seed.")
+@click.option("--max-tokens", type=int, default=16, show_default=True, help="New tokens per request.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Prompts and per-request noise seeds.")
+@click.option("--atol", type=float, default=1e-3, show_default=True, help="Float outputs: absolute tolerance.")
+@click.option("--rtol", type=float, default=1e-3, show_default=True, help="Float outputs: relative tolerance.")
+def compare(artifact_dir: Path, backends: str, target_dir: Path | None, draft_dir: Path | None,
+            num_requests: int, max_tokens: int, seed: int, atol: float, rtol: float) -> None:
+    """Run the same requests and noise on several backends; compare tokens and step outputs.
+
+    Exits with status 1 when tokens differ or a step output is outside the tolerances.
+    """
+    from rich.console import Console
+
+    from runtime.manifest import Manifest
+    from unispec import compare as cmp
+
+    manifest = Manifest.load(artifact_dir)
+    requests = cmp.make_requests(manifest, num_requests, max_tokens, seed)
+    opened = cmp.open_backends(artifact_dir, manifest, backends.split(","), target_dir=target_dir,
+                               draft_dir=draft_dir, num_blocks=cmp.pool_blocks_for(manifest, requests))
+    report = cmp.compare_backends(opened, requests, atol=atol, rtol=rtol)
+    console = Console()
+    for table in cmp.report_tables(report, atol, rtol):
+        console.print(table)
+    if not report.passed:
+        click.echo("compare: the backends differ (see the tables above)", err=True)
+        raise SystemExit(1)
+    click.echo(f"compare: {', '.join(opened)} agree")
 
 
 @main.command()
