@@ -134,7 +134,11 @@ def _one_step(run_step: RunStep, geo: StepGeometry, pools: PagedPools, rows: lis
         io.TOP_K: torch.tensor([r.request.top_k for r in rows], dtype=torch.int64),
         io.TOP_P: torch.tensor([r.request.top_p for r in rows], dtype=torch.float32),
         io.MIN_P: torch.tensor([r.request.min_p for r in rows], dtype=torch.float32),
-        io.NOISE: torch.from_numpy(np.stack([noise(r.index, k) for r in rows]).astype(np.float32)),
+        # A request's noise advances only on steps that produce its tokens (not on prompt chunks that
+        # continue), so seeded output does not depend on how other requests' budgets chunked the prompt.
+        io.NOISE: torch.from_numpy(np.stack([noise(r.index, k) if c < 0 else
+                                             np.zeros((k + 1, geo.noise_channels), np.float32)
+                                             for r, (_, _, c) in zip(rows, inputs)]).astype(np.float32)),
         io.IN_THINKING_PHASE: torch.tensor([r.request.thinking for r in rows], dtype=torch.bool),
         **pools.pools,
     }
