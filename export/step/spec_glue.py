@@ -41,12 +41,24 @@ def merge(tokens: torch.Tensor, row_offsets: torch.Tensor, positions: torch.Tens
 
 
 def verify(logits: torch.Tensor, f: Mapping[str, torch.Tensor], *, structured: bool) -> Verdict:
-    """logits [B, K+1, V] of the verified positions -> accepted count and next token per row."""
+    """logits [B, K+1, V] of the verified positions -> accepted count and next token per row.
+
+    The SpecAccept node always gets a bitmask: TensorRT plugins (tensorrt.plugin) take no optional
+    inputs, so an artifact without structured output passes an in-graph all-allowed mask.
+    """
+    bitmask = f[io.TOKEN_BITMASK] if structured else allow_all(logits)
     num_accepted, next_tokens = spec_accept(
         logits, f[io.DRAFT_TOKENS], f[io.TEMPERATURE], f[io.TOP_K], f[io.TOP_P], f[io.MIN_P], f[io.NOISE],
-        f[io.IN_THINKING_PHASE], f[io.TOKEN_BITMASK] if structured else None,
+        f[io.IN_THINKING_PHASE], bitmask,
         num_drafts=f[io.DRAFT_TOKENS].shape[1], relaxed_top_n=spec.RELAXED_TOP_N, relaxed_delta=spec.RELAXED_DELTA)
     return Verdict(num_accepted, next_tokens)
+
+
+def allow_all(logits: torch.Tensor) -> torch.Tensor:
+    """[B, K+1, ceil(V/32)] int32 of -1: every token allowed."""
+    batch, positions, vocab = logits.shape
+    return torch.full((batch, positions, spec.num_bitmask_words(vocab)), -1, dtype=torch.int32,
+                      device=logits.device)
 
 
 def last_accepted(m: Merged, num_accepted: torch.Tensor) -> torch.Tensor:

@@ -93,3 +93,16 @@ def test_target_only_step_exports_and_onnxruntime_agrees(tmp_path) -> None:
     """K = 0 (method `none`): draft_tokens is [B, 0]; the graph must still run in ONNX Runtime."""
     baseline, _ = _steps(1)
     harness.check_onnx_matches_torch(baseline, tmp_path / "none.onnx", VOCAB)
+
+
+def test_spec_accept_always_gets_a_bitmask(tmp_path) -> None:
+    """TensorRT's SpecAccept plugin has a fixed input list: unstructured graphs feed an all-allowed mask."""
+    import onnx
+
+    from export.onnx_export import export_step
+
+    _, spec = _steps(1)
+    model = onnx.load(str(export_step(spec, tmp_path / "step.onnx")), load_external_data=False)
+    (node,) = [n for n in model.graph.node if n.op_type == "SpecAccept"]
+    assert len(node.input) == 9 and node.input[8]
+    assert "token_bitmask" not in [i.name for i in model.graph.input]
