@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engines.recipe import Recipe
-from runtime.errors import ArtifactError, ConfigError
-from runtime.manifest import Manifest
+from runtime.errors import ConfigError
+from runtime.manifest import Manifest, dim_value
 
-__all__ = ["DimRange", "ShapeRange", "dim_ranges", "eval_dim", "input_shapes", "pool_blocks", "row_blocks"]
+__all__ = ["DimRange", "ShapeRange", "dim_ranges", "input_shapes", "pool_blocks"]
 
 Shape = tuple[int, ...]
 
@@ -44,19 +44,13 @@ class ShapeRange:
     max: Shape
 
 
-def row_blocks(manifest: Manifest, context_len: int | None = None) -> int:
-    """Block-table width of a row with `context_len` cached tokens (default: max_model_len) in a step."""
-    k = manifest.num_speculative_tokens
-    length = manifest.max_model_len if context_len is None else context_len
-    return -(-(length + 2 * k + 1) // manifest.block_size)
-
 
 def pool_blocks(manifest: Manifest, recipe: Recipe) -> int:
     """The largest KV pool (in blocks) the engine accepts: the recipe's `num_blocks`, else enough for a
     full batch of max_model_len rows, capped by `kv_memory_bytes` when the recipe gives a budget."""
     if recipe.num_blocks is not None:
         return recipe.num_blocks
-    per_row = row_blocks(manifest)
+    per_row = manifest.blocks_per_row()
     blocks = manifest.max_batch_size * per_row
     if recipe.kv_memory_bytes is not None:
         block_bytes = manifest.kv_bytes_per_token() * manifest.block_size
@@ -74,36 +68,17 @@ def _clamp(value: int | None, low: int, high: int, default: int) -> int:
 
 def dim_ranges(manifest: Manifest, recipe: Recipe) -> dict[str, DimRange]:
     """[min, opt, max] of every dynamic dim name the exporter writes."""
-    max_batch, max_tokens, max_blocks = manifest.max_batch_size, manifest.max_tokens_per_step, row_blocks(manifest)
+    max_batch, max_tokens, max_blocks = manifest.max_batch_size, manifest.max_tokens_per_step, manifest.blocks_per_row()
     batch = _clamp(recipe.opt_batch, 1, max_batch, max_batch)
     wanted = batch * recipe.opt_tokens_per_row if recipe.opt_tokens_per_row is not None else recipe.opt_tokens
     # every row of a step brings at least one token: opt S below opt B describes no real step
     tokens = _clamp(wanted, batch, max_tokens, max_tokens)
-    blocks = max_blocks if recipe.opt_context_len is None else min(row_blocks(manifest, recipe.opt_context_len),
+    blocks = max_blocks if recipe.opt_context_len is None else min(manifest.blocks_per_row(recipe.opt_context_len),
                                                                    max_blocks)
     num_blocks = pool_blocks(manifest, recipe)
     return {"batch": DimRange(1, batch, max_batch), "num_tokens": DimRange(1, tokens, max_tokens),
             "max_blocks": DimRange(1, blocks, max_blocks), "num_blocks": DimRange(1, num_blocks, num_blocks)}
 
-
-def eval_dim(dim: int | str, env: Mapping[str, int], *, tensor: str = "?") -> int:
-    """A manifest dim (an int, a name, or a sum of products like '3*batch + num_tokens') under `env`."""
-    if isinstance(dim, int):
-        return dim
-    total = 0
-    for term in dim.split("+"):
-        product = 1
-        for factor in (f.strip() for f in term.split("*")):
-            if factor.isdigit():
-                product *= int(factor)
-            elif factor in env:
-                product *= env[factor]
-            else:
-                raise ArtifactError(f"manifest: tensor {tensor!r} has dimension {dim!r} naming {factor!r}, which "
-                                    f"engine profiles do not know (known: {', '.join(sorted(env))}); re-export "
-                                    "the artifact with this unispec version")
-        total += product
-    return total
 
 
 def input_shapes(manifest: Manifest, ranges: Mapping[str, DimRange]) -> dict[str, ShapeRange]:
@@ -113,6 +88,6 @@ def input_shapes(manifest: Manifest, ranges: Mapping[str, DimRange]) -> dict[str
     for spec in manifest.inputs:
         if all(isinstance(d, int) for d in spec.shape):
             continue                       # static inputs need no profile entry
-        at = {p: tuple(eval_dim(d, env, tensor=spec.name) for d in spec.shape) for p, env in points.items()}
+        at = {p: tuple(dim_value(d, env, tensor=spec.name) for d in spec.shape) for p, env in points.items()}
         shapes[spec.name] = ShapeRange(at["min"], at["opt"], at["max"])
     return shapes

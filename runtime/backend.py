@@ -28,8 +28,9 @@ import numpy as np
 
 from runtime import manifest as io
 from runtime.errors import ArtifactError, BackendUnavailableError, UnispecError
+from runtime.manifest import dim_value
 
-__all__ = ["Backend", "PersistentInputBuffers", "cuda_runtime", "dim_value", "numpy_dtype", "pinned_allocator",
+__all__ = ["Backend", "PersistentInputBuffers", "cuda_runtime", "numpy_dtype", "pinned_allocator",
            "shape_of", "step_bounds"]
 
 # num_bytes -> a uint8 array of that many bytes that stays valid as long as the array lives
@@ -67,25 +68,6 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype({"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
                      "bool": np.bool_}[name])
 
-
-def dim_value(dim: int | str, env: Mapping[str, int]) -> int:
-    """A manifest dim (an int, a name, or a sum of products such as '3*batch + num_tokens') under `env`."""
-    if isinstance(dim, int):
-        return dim
-    total = 0
-    for term in dim.split("+"):
-        product = 1
-        for factor in term.split("*"):
-            factor = factor.strip()
-            if factor.isdigit():
-                product *= int(factor)
-            elif factor in env:
-                product *= env[factor]
-            else:
-                raise ArtifactError(f"manifest: dimension {dim!r} names {factor!r}, which the runtime does not "
-                                    f"know (known: {', '.join(sorted(env))}); re-export the artifact")
-        total += product
-    return total
 
 
 def shape_of(spec: io.TensorSpec, env: Mapping[str, int]) -> tuple[int, ...]:

@@ -14,14 +14,8 @@ from collections.abc import Hashable
 from runtime.errors import InvalidRequestError, OutOfBlocksError, UnispecError
 from runtime.manifest import Manifest
 
-__all__ = ["BlockManager", "OutOfBlocksError", "blocks_per_request", "num_blocks_for_budget"]
+__all__ = ["BlockManager", "OutOfBlocksError", "num_blocks_for_budget"]
 
-
-def blocks_per_request(manifest: Manifest, max_model_len: int | None = None) -> int:
-    """Blocks one request of `max_model_len` tokens can hold: its positions plus the 2K + 1 the step's
-    merged drafts and sequential draft steps reach past them (DESIGN.md §3)."""
-    length = manifest.max_model_len if max_model_len is None else max_model_len
-    return -(-(length + 2 * manifest.num_speculative_tokens + 1) // manifest.block_size)
 
 
 def num_blocks_for_budget(manifest: Manifest, kv_memory_bytes: int, max_model_len: int | None = None) -> int:
@@ -31,7 +25,7 @@ def num_blocks_for_budget(manifest: Manifest, kv_memory_bytes: int, max_model_le
     an error, because that request could never run.
     """
     block_bytes = manifest.kv_bytes_per_token() * manifest.block_size
-    per_row = blocks_per_request(manifest, max_model_len)
+    per_row = manifest.blocks_per_row(max_model_len)
     affordable = kv_memory_bytes // block_bytes
     if affordable < per_row:
         raise InvalidRequestError(f"kv_memory_bytes={kv_memory_bytes} holds {affordable} KV blocks; one "

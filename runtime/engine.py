@@ -26,7 +26,7 @@ import numpy as np
 
 from runtime import manifest as io
 from runtime.backend import Backend, PersistentInputBuffers, step_bounds
-from runtime.blocks import BlockManager, blocks_per_request
+from runtime.blocks import BlockManager
 from runtime.errors import InvalidRequestError
 from runtime.noise import RequestNoise, batch_noise
 from runtime.sampling_params import SamplingParams
@@ -80,7 +80,7 @@ class Engine:
         """New tokens at most for the request; a one-line InvalidRequestError if it cannot run here."""
         validate_prompt(prompt, self.manifest, max_model_len=self.max_model_len)
         max_new = min(params.max_tokens, self.max_model_len - len(prompt))
-        worst = blocks_per_request(self.manifest, len(prompt) + max_new)
+        worst = self.manifest.blocks_per_row(len(prompt) + max_new)
         if worst > self.blocks.num_blocks:
             raise InvalidRequestError(f"a {len(prompt)}-token prompt with max_tokens={max_new} needs {worst} KV "
                                       f"blocks, the pool has {self.blocks.num_blocks}; give the LLM more "

@@ -7,6 +7,7 @@ nothing else of `runtime` besides `runtime.errors`. Every name below is the exac
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -129,9 +130,11 @@ class Manifest:
         if missing:
             raise ArtifactError(f"manifest: pools {missing} are not graph inputs; the artifact is damaged, re-export it")
 
-    @property
-    def max_blocks_per_row(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+    def blocks_per_row(self, context_len: int | None = None) -> int:
+        """Block-table width of a row with `context_len` tokens (default max_model_len): its positions plus
+        the 2K + 1 that the merged drafts and the sequential draft steps write past them (DESIGN.md §3)."""
+        length = self.max_model_len if context_len is None else context_len
+        return -(-(length + 2 * self.num_speculative_tokens + 1) // self.block_size)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one token occupies across every pool (target + draft): the unit of pool sizing."""
@@ -181,3 +184,24 @@ class Manifest:
         if not isinstance(d, dict):
             raise ArtifactError(f"{path}: must hold a JSON object; the artifact is damaged, re-export it")
         return cls.from_dict(d)
+
+
+def dim_value(dim: int | str, env: Mapping[str, int], *, tensor: str | None = None) -> int:
+    """A manifest dim (an int, a name, or a sum of products such as '3*batch + num_tokens') under `env`."""
+    if isinstance(dim, int):
+        return dim
+    total = 0
+    for term in dim.split("+"):
+        product = 1
+        for factor in (f.strip() for f in term.split("*")):
+            if factor.isdigit():
+                product *= int(factor)
+            elif factor in env:
+                product *= env[factor]
+            else:
+                where = f"tensor {tensor!r} has " if tensor else ""
+                raise ArtifactError(f"manifest: {where}dimension {dim!r} naming {factor!r}, which this unispec "
+                                    f"does not know (known: {', '.join(sorted(env))}); re-export the artifact "
+                                    "with this unispec version")
+        total += product
+    return total

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from engines.profiles import DimRange, dim_ranges, eval_dim, input_shapes, pool_blocks, row_blocks
+from engines.profiles import DimRange, dim_ranges, input_shapes, pool_blocks
 from engines.recipe import Recipe, load_recipe
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ConfigError
-from runtime.manifest import TensorSpec
+from runtime.manifest import TensorSpec, dim_value
 from tests.engines.manifests import make_manifest
 
 M = make_manifest()        # K=3, block 4, max_model_len 128, batch 8, 64 tokens per step, pools (3, 64), (1, 64)
@@ -70,17 +70,17 @@ def test_pool_size_from_recipe_or_budget() -> None:
 
 def test_k_zero_and_row_blocks() -> None:
     m = make_manifest(k=0, max_model_len=100, block_size=16)
-    assert row_blocks(m) == 7                                         # ceil(101 / 16)
+    assert m.blocks_per_row() == 7                                         # ceil(101 / 16)
     shapes = input_shapes(m, dim_ranges(m, Recipe()))
     assert shapes[io.DRAFT_TOKENS].max == (8, 0)
 
 
 def test_eval_dim_and_unknown_names() -> None:
     env = {"batch": 3, "num_tokens": 10}
-    assert eval_dim(7, env) == 7 and eval_dim("batch + 1", env) == 4 and eval_dim("3*batch + num_tokens", env) == 19
-    assert eval_dim("2 * batch * 2", env) == 12
+    assert dim_value(7, env) == 7 and dim_value("batch + 1", env) == 4 and dim_value("3*batch + num_tokens", env) == 19
+    assert dim_value("2 * batch * 2", env) == 12
     with pytest.raises(ArtifactError, match="'kv_delta' has dimension 'seq_len' naming 'seq_len'"):
-        eval_dim("seq_len", env, tensor="kv_delta")
+        dim_value("seq_len", env, tensor="kv_delta")
     bad = TensorSpec(name="mystery", dtype="int64", shape=("sequence",))
     m = dataclasses.replace(M, inputs=(*M.inputs, bad))
     with pytest.raises(ArtifactError, match="mystery"):

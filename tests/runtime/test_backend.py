@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.backend import PersistentInputBuffers, dim_value, step_bounds
+from runtime.backend import PersistentInputBuffers, step_bounds
 from runtime.errors import ArtifactError, UnispecError
-from runtime.manifest import TensorSpec
+from runtime.manifest import TensorSpec, dim_value
 
 
 def test_dims_evaluate_names_sums_and_products() -> None:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.blocks import BlockManager, blocks_per_request, num_blocks_for_budget
+from runtime.blocks import BlockManager, num_blocks_for_budget
 from runtime.errors import InvalidRequestError, OutOfBlocksError, UnispecError
 
 
@@ -79,8 +79,8 @@ def test_pool_sizing_counts_target_and_draft_pools() -> None:
 
     manifest = sample()                          # bf16 target 3 x 64 + fp32 draft 1 x 48 per token, blocks of 16
     block_bytes = (3 * 64 * 2 + 48 * 4) * 16
-    per_request = blocks_per_request(manifest)   # ceil((100 + 2 * 2 + 1) / 16)
-    assert per_request == 7 and blocks_per_request(manifest, 20) == 2
+    per_request = manifest.blocks_per_row()   # ceil((100 + 2 * 2 + 1) / 16)
+    assert per_request == 7 and manifest.blocks_per_row(20) == 2
     assert num_blocks_for_budget(manifest, 10 * block_bytes + block_bytes - 1) == 10
     assert num_blocks_for_budget(manifest, 10**12) == manifest.max_batch_size * per_request   # capped
     assert num_blocks_for_budget(manifest, 10**12, max_model_len=20) == manifest.max_batch_size * 2

@@ -44,7 +44,7 @@ def test_write_load_round_trip(tmp_path: Path) -> None:
 
 def test_geometry_helpers() -> None:
     manifest = sample()
-    assert manifest.max_blocks_per_row == 7                                   # ceil(100 / 16)
+    assert manifest.blocks_per_row() == 7                             # ceil((100 + 2 * 2 + 1) / 16)
     assert manifest.pools[0].bytes_per_token() == 3 * 64 * 2
     assert manifest.kv_bytes_per_token() == 3 * 64 * 2 + 1 * 48 * 4
 
