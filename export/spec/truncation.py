@@ -20,7 +20,8 @@ inverse-CDF boundary across a uniform with probability ~V * 1e-7 per sample (an 
 SpecAccept plugin instead of this decomposition.
 
 Cost: one full sort of the vocabulary per verified position (about 0.15 s for 32 rows x 128k tokens on
-two CPU cores); the sort feeds only the top-k / top-p thresholds.
+two CPU cores) when some row of the step uses top-k or top-p; the sort feeds only those thresholds, and a
+step without them skips it (torch.cond, an ONNX If).
 """
 
 from __future__ import annotations
@@ -64,10 +65,20 @@ def _keep_threshold(
 ) -> torch.Tensor:
     """Smallest probability a token may have and survive all three filters: [...]."""
     vocab_size = probs.shape[-1]
-    ranked = torch.sort(probs, dim=-1, descending=True).values                     # [..., V]
-    p_max = ranked[..., 0]                                                         # [...]
-
     k = torch.where((top_k <= 0) | (top_k >= vocab_size), torch.full_like(top_k, vocab_size), top_k)
+    p_max = probs.amax(dim=-1)                                                     # [...]
+    # The sort only matters when some row truncates by rank or mass; without (greedy, plain temperature,
+    # min-p alone) the top-k "floor" is the smallest probability and the nucleus floor 0, with no sort.
+    # An ONNX If: a step skips the sort, a large part of its sampling cost, unless a row asks for it.
+    needs_sort = ((k < vocab_size) | (top_p < 1.0)).any()
+    floor = torch.cond(needs_sort, _ranked_floor, _untruncated_floor, (probs, k, top_p))   # [...]
+    min_p_floor = min_p.to(PROB_DTYPE) * p_max                                     # [...]
+    return torch.minimum(torch.maximum(floor, min_p_floor), p_max)
+
+
+def _ranked_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """max(k-th largest probability, top-p nucleus floor): [...]; k in 1..V."""
+    ranked = torch.sort(probs, dim=-1, descending=True).values                     # [..., V]
     kth = ranked.gather(-1, (k - 1)[..., None])                                    # [..., 1]
     in_top_k = torch.where(ranked >= kth, ranked, torch.zeros_like(ranked))       # [..., V]
 
@@ -78,10 +89,12 @@ def _keep_threshold(
     num_nucleus = (before < budget).sum(dim=-1, keepdim=True).clamp(min=1)        # [..., 1]
     nucleus_floor = ranked.gather(-1, num_nucleus - 1)[..., 0]                     # [...]
     nucleus_floor = torch.where(top_p >= 1.0, torch.zeros_like(nucleus_floor), nucleus_floor)
+    return torch.maximum(kth[..., 0], nucleus_floor)
 
-    min_p_floor = min_p.to(PROB_DTYPE) * p_max                                     # [...]
-    threshold = torch.maximum(torch.maximum(kth[..., 0], nucleus_floor), min_p_floor)
-    return torch.minimum(threshold, p_max)
+
+def _untruncated_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`_ranked_floor` when every k == V and top_p >= 1: the smallest probability (its values exactly)."""
+    return probs.amin(dim=-1)
 
 
 def sample_inverse_cdf(

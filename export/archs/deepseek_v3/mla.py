@@ -138,12 +138,12 @@ class MultiLatentAttention(nn.Module):
                   row_offsets: torch.Tensor, positions: torch.Tensor, cache_lengths: torch.Tensor) -> torch.Tensor:
         r = self.cfg.kv_lora_rank
         w_uk, w_uv = self._up_weights()                                                 # [n, dn, r], [n, dv, r]
-        q_latent = torch.einsum("snd,ndr->snr", q_nope, w_uk)                           # [S, n, r]
+        q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)          # [S, n, r]
         q = torch.cat([q_latent, q_pe], dim=-1)                                         # [S, n, W]
         # One key "head" shared by all query heads: k = [c_kv, k_pe], v = c_kv (the PagedMLA plugin).
         out_latent = paged_mla(q, kv_new, past, row_offsets, positions, cache_lengths,
                                scale=self.cfg.softmax_scale, kv_lora_rank=r)                  # [S, n, r]
-        return torch.einsum("snr,nvr->snv", out_latent, w_uv)                           # [S, n, dv]
+        return torch.matmul(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [S, n, dv]
 
     def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg

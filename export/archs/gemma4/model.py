@@ -63,8 +63,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a weight (Gemma 4's v_norm)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class Gemma4Attention(nn.Module):
