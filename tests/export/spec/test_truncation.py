@@ -69,3 +69,13 @@ def test_inverse_cdf_intervals_and_edges() -> None:
     # Even a uniform of exactly 1 (out of contract, what rounding of u * total could produce)
     # never lands on the trailing zero-weight tokens.
     assert int(sample_inverse_cdf(weights, torch.tensor([1.0]))) == 3
+
+
+def test_the_sort_free_branch_equals_the_ranked_one_when_nothing_truncates() -> None:
+    """Steps without top-k / top-p skip the sort (an ONNX If); both branches must give the same floor."""
+    from export.spec.truncation import _ranked_floor, _untruncated_floor
+
+    probs = torch.softmax(torch.randn(3, 4, 50, dtype=torch.float64), dim=-1)
+    k = torch.full((3, 4), 50)
+    top_p = torch.ones(3, 4)
+    assert torch.equal(_ranked_floor(probs, k, top_p), _untruncated_floor(probs, k, top_p))
