@@ -122,14 +122,16 @@ def _check_out_dir(out: Path) -> None:
 
 
 def _read_sources(target_dir: Path, draft_dir: str | Path | None) -> dict[str, Any]:
-    """config.json of both checkpoints -> registry names and the target's vocabulary size."""
+    """config.json of both checkpoints -> registry names, the target's vocabulary size, absolute paths."""
     from export.archs import config_from_hf, find_arch
     from export.config import read_config_json
 
     config = read_config_json(target_dir)
     draft = find_arch(read_config_json(draft_dir)).name if draft_dir is not None else None
     return {"config": config, "target_arch": find_arch(config).name, "draft_arch": draft,
-            "vocab_size": int(config_from_hf(config).vocab_size)}
+            "vocab_size": int(config_from_hf(config).vocab_size),
+            "target_checkpoint": os.path.abspath(target_dir),
+            "draft_checkpoint": os.path.abspath(draft_dir) if draft_dir is not None else None}
 
 
 def _build(settings: ExportSettings, target_dir: Path, draft_dir: str | Path | None) -> UnifiedStep:
@@ -220,7 +222,8 @@ def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSetting
         noise_channels=NOISE_CHANNELS, structured_output=step.structured_output, pools=_pools(inputs, step),
         inputs=inputs, outputs=tensor_specs(graph.output), ops=plugin_ops(graph),
         weights_file=io.WEIGHTS_NAME if (out / io.WEIGHTS_NAME).is_file() else None,
-        tokenizer=tokenizer, exporter=exporter_versions())
+        tokenizer=tokenizer, exporter=exporter_versions(), target_checkpoint=sources["target_checkpoint"],
+        draft_checkpoint=sources["draft_checkpoint"])
 
 
 def exporter_versions() -> dict[str, str]:

@@ -19,7 +19,9 @@ prompt was chunked, or on preemptions; `token_bitmask` from its grammar (runtime
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from itertools import count
 
 import numpy as np
@@ -34,11 +36,28 @@ from runtime.scheduler import Plan, Scheduler
 from runtime.sequence import RequestMetrics, RequestOutput, SequenceState, validate_prompt
 from runtime.structured import GrammarCompiler, check_structured_support
 
-__all__ = ["Engine", "Listener", "RequestMetrics", "RequestOutput", "validate_prompt"]
+__all__ = ["Engine", "Listener", "RequestMetrics", "RequestOutput", "StepTimings", "validate_prompt"]
 
 Detokenize = Callable[[Sequence[int]], str]
 # (request id, tokens committed this step, the output when the request finished) after every change
 Listener = Callable[[Hashable, list[int], RequestOutput | None], None]
+
+
+@dataclass
+class StepTimings:
+    """Wall time of the steps run since the last reset, split where the step graph runs.
+
+    graph_s is the backend's `run` call (the step graph); host_s is the rest of `Engine.step`: scheduling,
+    filling the feeds, committing the KV deltas and advancing the requests.
+    """
+
+    steps: int = 0
+    graph_s: float = 0.0
+    host_s: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.graph_s + self.host_s
 
 
 class Engine:
@@ -62,6 +81,7 @@ class Engine:
         self._positions = np.arange(m.max_model_len + 2 * self.k + 2, dtype=np.int64)   # copied from, never grown
         self._ids = count()
         self.num_steps = 0
+        self.timings = StepTimings()
 
     @property
     def waiting(self) -> Sequence[SequenceState]:
@@ -127,8 +147,14 @@ class Engine:
 
     # --- one step -----------------------------------------------------------------------------------------
 
+    def reset_timings(self) -> StepTimings:
+        """Start `timings` afresh; returns the ones accumulated until now."""
+        done, self.timings = self.timings, StepTimings()
+        return done
+
     def step(self) -> list[RequestOutput]:
         """Run one step over the scheduled rows; returns the requests that finished in it."""
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan:
             return []
@@ -138,14 +164,20 @@ class Engine:
         # (A half-done commit only wrote positions at or past each row's cache length, which nothing reads.)
         try:
             feeds = self._feeds(plan)
+            graph_started = time.perf_counter()
             outputs = self.backend.run(feeds)
+            graph_s = time.perf_counter() - graph_started
             self._commit(feeds, outputs)
         except BaseException:
             for stream, checkpoint in noise:
                 stream.rewind(checkpoint)
             raise
         self.num_steps += 1
-        return self._advance(plan, outputs)
+        finished = self._advance(plan, outputs)
+        t = self.timings
+        t.steps, t.graph_s = t.steps + 1, t.graph_s + graph_s
+        t.host_s += time.perf_counter() - started - graph_s
+        return finished
 
     def _feeds(self, plan: Plan) -> dict[str, np.ndarray]:
         view, k, batch = self.buffers.view, self.k, len(plan)

@@ -119,6 +119,10 @@ class Manifest:
     weights_file: str | None = WEIGHTS_NAME
     tokenizer: TokenizerInfo = field(default_factory=TokenizerInfo)
     exporter: dict[str, str] = field(default_factory=dict)   # package -> version
+    # absolute checkpoint directories exported from (provenance; `unispec bench` loads them for its peers);
+    # None when unknown (manifests written before these fields) or, for the draft, when there is none
+    target_checkpoint: str | None = None
+    draft_checkpoint: str | None = None
     engine: dict[str, Any] | None = None     # written by `unispec build` (issue 8)
 
     def __post_init__(self) -> None:

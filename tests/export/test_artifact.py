@@ -163,6 +163,8 @@ def test_manifest_describes_the_graph(artifacts: dict[str, Path], checkpoints: d
     assert (tokenizer.think_start_id, tokenizer.think_end_id) == (THINK_START, THINK_END)
     assert {"unispec", "torch", "onnx", "onnxscript", "onnxruntime"} <= set(manifest.exporter)
     assert manifest.exporter["torch"] == torch.__version__
+    assert manifest.target_checkpoint == str(checkpoints["target"].resolve())       # provenance, absolute
+    assert manifest.draft_checkpoint == (str(checkpoints["draft"].resolve()) if method == "eagle3" else None)
 
 
 def test_read_artifact_refuses_damaged_or_mismatched_dirs(artifacts: dict[str, Path], tmp_path: Path) -> None:

@@ -203,3 +203,21 @@ def test_a_small_pool_preempts_the_newest_and_recomputes_it_without_changing_tok
     for i in ids:
         assert done[i].token_ids == roomy[i % 2 == 1][i], f"request {i} changed after preemption"
     assert engine.blocks.num_free == 30
+
+
+def test_timings_split_each_step_into_graph_and_host_time(tiny_artifact) -> None:
+    """Every step adds its backend.run time to graph_s and the rest of Engine.step to host_s."""
+    import time
+
+    art = tiny_artifact("llama3-eagle3")
+    engine = Engine(OrtBackend(art.path, Manifest.load(art.path), num_blocks=64))
+    for prompt in _prompts(engine.manifest.vocab_size)[:2]:
+        engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    wall = time.perf_counter() - started
+    t = engine.timings
+    assert t.steps == engine.num_steps > 2
+    assert t.graph_s > 0 and t.host_s > 0 and t.step_s == t.graph_s + t.host_s <= wall
+    assert engine.reset_timings() is t and engine.timings.steps == 0 and engine.timings.step_s == 0.0

@@ -42,6 +42,15 @@ def test_write_load_round_trip(tmp_path: Path) -> None:
     assert json.loads(path.read_text())["format_version"] == io.FORMAT_VERSION
 
 
+def test_manifests_without_checkpoint_provenance_still_load() -> None:
+    """target_checkpoint / draft_checkpoint came later: older manifests read as None."""
+    d = json.loads(replace(sample(), target_checkpoint="/ckpt/target", draft_checkpoint="/ckpt/draft").to_json())
+    assert Manifest.from_dict(d).target_checkpoint == "/ckpt/target"
+    del d["target_checkpoint"], d["draft_checkpoint"]
+    old = Manifest.from_dict(d)
+    assert (old.target_checkpoint, old.draft_checkpoint) == (None, None) and old == sample()
+
+
 def test_geometry_helpers() -> None:
     manifest = sample()
     assert manifest.blocks_per_row() == 7                             # ceil((100 + 2 * 2 + 1) / 16)

@@ -1,0 +1,164 @@
+"""`unispec bench`: a tiny Llama 3 + DFlash artifact against its `none` artifact, transformers and
+onnxruntime-genai in one run (JSON fields, positive ratios, graph + host time within the wall time, a real
+PNG); peers that cannot run are rows saying why; bad options and missing prompts fail in one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from runtime.errors import InvalidRequestError
+from runtime.manifest import Manifest
+from unispec import bench
+from unispec.bench import BenchConfig, Pass, PeerUnavailable, Row, batches_of, load_prompts, measure
+from unispec.bench_peers import Unavailable, count_generated, peer_runners
+from unispec.cli import main
+
+PROMPTS = ["the quick brown fox", "hello world, this is", '{"a": 7, "name": "item 3"}']
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Llama 3 + DFlash checkpoints with the test tokenizer, prompts.jsonl beside them, both artifacts."""
+    from export.artifact import export_model
+    from export.tiny import write_tiny
+    from tests.runtime.artifacts import write_tokenizer
+
+    root = tmp_path_factory.mktemp("bench")
+    paths = write_tiny(family="llama3", draft="dflash", out_dir=root / "checkpoints", seed=0)
+    write_tokenizer(paths["target"], vocab_size=320)
+    (root / "checkpoints" / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    geometry = dict(block_size=4, max_model_len=128, max_batch_size=4, max_tokens_per_step=64, progress=False)
+    export_model(paths["target"], paths["draft"], method="dflash", num_speculative_tokens=3,
+                 out_dir=root / "dflash", **geometry)
+    export_model(paths["target"], method="none", num_speculative_tokens=0, out_dir=root / "none", **geometry)
+    return {**paths, "dflash": root / "dflash", "none": root / "none", "root": root}
+
+
+def test_one_run_reports_every_engine_with_json_and_plot(tiny: dict[str, Path], tmp_path: Path) -> None:
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = CliRunner().invoke(main, [
+        "bench", str(tiny["dflash"]), "--baseline", str(tiny["none"]), "--batch-sizes", "1,2",
+        "--temperature", "0,0.7", "--repeats", "1", "--max-tokens", "8", "--threads", "1",
+        "--cache-dir", str(tmp_path / "cache"), "--json", str(out_json), "--plot", str(out_png)])
+    assert result.exit_code == 0, result.output
+    for text in ("unispec dflash (ort)", "unispec none (ort)", "transformers generate", "not run",
+                 "1 intra-op threads"):
+        assert text in result.output
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
+
+    report = json.loads(out_json.read_text())
+    assert report["config"]["batch_sizes"] == [1, 2] and report["config"]["threads"] == 1
+    assert {"platform", "cpu_count", "threads", "versions"} <= set(report["machine"])
+    assert f"peers load {tiny['target']}" in report["notes"]            # the manifest's target_checkpoint
+    rows = {(r["engine"], r["batch_size"], r["temperature"]): r for r in report["rows"]}
+    assert len(rows) == len(report["rows"]) == 2 * 2 * 6          # cells x (ours, none, 3 transformers, genai)
+    for size in (1, 2):
+        for temperature in (0.0, 0.7):
+            ours = rows[("unispec dflash (ort)", size, temperature)]
+            m, (run,) = ours["median"], ours["runs"]
+            assert m["tokens"] == 8 * size and m["tokens_per_s"] > 0 and ours["speedup"] == 1.0
+            assert m["mean_accepted_length"] >= 1 and len(m["acceptance_per_position"]) == 3
+            assert m["graph_ms_per_step"] > 0 and m["host_ms_per_step"] > 0 and 0 < m["host_share"] < 1
+            assert 0.5 * run["wall_s"] < run["graph_s"] + run["host_s"] <= run["wall_s"]   # steps are most of it
+            for engine in ("unispec none (ort)", "transformers generate"):
+                theirs = rows[(engine, size, temperature)]
+                assert theirs["why"] is None and theirs["median"]["tokens"] == 8 * size and theirs["speedup"] > 0
+            assert "head on the target's hidden states" in rows[("transformers assisted", size, temperature)]["why"]
+            lookup = rows[("transformers prompt lookup", size, temperature)]
+            assert (lookup["why"] is None) == (size == 1)
+            genai = rows[("onnxruntime-genai (cpu)", size, temperature)]
+            assert genai["why"] is not None or genai["median"]["tokens"] == 8 * size
+
+
+def test_peers_that_cannot_run_are_rows_saying_why(tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    manifest = Manifest.load(tiny["dflash"])
+    config = BenchConfig(artifact_dir=tiny["dflash"], threads=1, cache_dir=tmp_path)
+    runners, _ = peer_runners(config, manifest, None)
+    assert all(isinstance(r, Unavailable) and "pass --checkpoint" in r.why for r in runners)
+
+    deepseek = Manifest.from_dict({**json.loads(manifest.to_json()), "target_arch": "deepseek-v3"})
+    genai = peer_runners(BenchConfig(artifact_dir=tiny["dflash"], peers=("ort-genai",), cache_dir=tmp_path),
+                         deepseek, tiny["target"])[0]
+    assert "Llama 3 targets only; this target is deepseek-v3" in genai[0].why
+
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)           # as if it were not installed
+    genai = peer_runners(BenchConfig(artifact_dir=tiny["dflash"], peers=("ort-genai",), cache_dir=tmp_path),
+                         manifest, tiny["target"])[0]
+    row = measure(genai[0], [[[1, 2, 3]]], 0.0, 4)
+    assert row.why == "onnxruntime-genai is not installed (pip install 'unispec[bench]')" and not row.passes
+
+
+def test_a_failing_peer_is_a_row_and_medians_are_per_figure() -> None:
+    class Broken:
+        name = "broken"
+
+        def run(self, prompts, temperature, max_tokens):
+            raise RuntimeError("kernel exploded\nsecond line")
+
+        def close(self) -> None:
+            pass
+
+    assert measure(Broken(), [[[1]]], 0.0, 4).why == "RuntimeError: kernel exploded"
+    row = Row("x", 1, 0.0, passes=[Pass(wall_s=w, tokens=8, steps=4, graph_s=w / 2, host_s=w / 4,
+                                        mean_accepted_length=a, acceptance_per_position=(a - 1, 0.0))
+                                   for w, a in ((1.0, 1.5), (2.0, 1.25), (4.0, 2.0))])
+    m = row.median
+    assert m["tokens_per_s"] == 4.0 and m["mean_accepted_length"] == 1.5 and m["acceptance_per_position"] == [0.5, 0.0]
+    assert m["host_share"] == pytest.approx(1 / 3) and m["graph_ms_per_step"] == 250.0
+
+
+def test_generated_tokens_are_counted_up_to_the_first_eos() -> None:
+    assert count_generated([[5, 6, 7], [5, 2, 0], [2, 2, 2]], eos={2}) == 3 + 2 + 1
+
+
+def test_passes_take_successive_prompts() -> None:
+    assert batches_of([[1], [2], [3]], 2, 3) == [[[1], [2]], [[3], [1]], [[2], [3]]]
+
+
+def test_prompt_files_and_where_they_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n\n{"prompt": "b c"}\n')
+    (tmp_path / "p.txt").write_text("one\ntwo\n")
+    assert load_prompts(tmp_path / "p.jsonl") == ["a", "b c"] and load_prompts(tmp_path / "p.txt") == ["one", "two"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(InvalidRequestError, match=r"bad.jsonl:1: expected an object with a string \"prompt\""):
+        load_prompts(tmp_path / "bad.jsonl")
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    monkeypatch.setattr(bench, "REPO_PROMPTS", tmp_path / "models" / "prompts.jsonl")
+    config = BenchConfig(artifact_dir=tmp_path)
+    with pytest.raises(InvalidRequestError, match="no prompts: pass --prompts FILE"):
+        bench.find_prompts(config, checkpoint)
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "beside"}\n')
+    assert bench.find_prompts(config, checkpoint) == tmp_path / "prompts.jsonl"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-sizes", "1,x"], "--batch-sizes '1,x': expected comma-separated ints >= 1, e.g. 1,4,16"),
+    (["--batch-sizes", "0"], "--batch-sizes '0': expected comma-separated ints >= 1"),
+    (["--temperature", "-1"], "--temperature '-1': expected comma-separated floats >= 0"),
+    (["--repeats", "0"], "--repeats needs integers >= 1, got 0"),
+    (["--peers", "vllm"], "--peers: unknown ['vllm']"),
+])
+def test_bad_options_fail_in_one_line(tmp_path: Path, argv: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, ["bench", str(tmp_path), *argv])
+    assert result.exit_code == 1 and message in result.output, result.output
+    assert result.output.strip().count("\n") == 0 and "Traceback" not in result.output
+
+
+def test_a_baseline_that_is_not_target_only_is_refused(tiny: dict[str, Path]) -> None:
+    result = CliRunner().invoke(main, ["bench", str(tiny["dflash"]), "--baseline", str(tiny["dflash"]),
+                                       "--threads", "1", "--peers", "none"])
+    assert result.exit_code == 1 and "pass the `none` artifact of the same llama3 target" in result.output
+    assert result.output.strip().count("\n") == 0
+
+
+def test_unavailable_peer_raises_its_reason() -> None:
+    with pytest.raises(PeerUnavailable, match="why"):
+        Unavailable("x", "why").run([[1]], 0.0, 1)

@@ -1,0 +1,337 @@
+"""`unispec bench`: an artifact's speed and acceptance, against target-only decoding and peers.
+
+For every (batch size, temperature) cell, every engine gets the same prompt token ids (encoded once by
+the artifact's tokenizer), the same number of new tokens and the same intra-op thread count; each runs
+one untimed warm-up pass, then `repeats` timed passes (pass r takes the prompts after pass r - 1's, cycling),
+and the report keeps every pass and their medians:
+
+  unispec <method>          the artifact through runtime.LLM (ignore_eos, so every request makes max_tokens)
+  unispec none              --baseline: the target-only artifact of the same target, same backend
+  transformers generate     \\
+  transformers prompt lookup |  unispec/bench_peers.py, on the checkpoint the artifact was exported from
+  transformers assisted      |  (manifest.target_checkpoint, or --checkpoint); a peer that cannot run is a
+  onnxruntime-genai         /   row saying why, never a crash and never a number
+
+  tokens/s = generated tokens / wall time of the pass (prefill included, as for every peer)
+  speedup  = the artifact's median tokens/s / this row's, in the same cell
+  step ms  = graph (the backend's run) + host (the rest of Engine.step), per step (runtime.engine.StepTimings)
+
+Tables, JSON and the plot are unispec/bench_report.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from runtime.errors import InvalidRequestError
+from runtime.manifest import Manifest
+
+__all__ = ["BenchConfig", "BenchReport", "Pass", "PeerUnavailable", "Row", "default_threads", "load_prompts",
+           "run_bench"]
+
+REPO_PROMPTS = Path(__file__).resolve().parents[1] / "models" / "prompts.jsonl"
+PROMPTS_NAME = "prompts.jsonl"
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "unispec"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What `unispec bench` was asked for (the CLI's options, one to one)."""
+
+    artifact_dir: Path
+    baseline: Path | None = None
+    checkpoint: Path | None = None           # HF checkpoint for the peers; default: the manifest's target_checkpoint
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    repeats: int = 3
+    max_tokens: int = 64
+    threads: int | None = None               # intra-op threads of every engine; None: all cores
+    backend: str = "ort"
+    prompts: Path | None = None
+    chat: bool = False                       # wrap each prompt in the tokenizer's chat template
+    peers: tuple[str, ...] = ("transformers", "ort-genai")
+    cache_dir: Path | None = None            # None: $XDG_CACHE_HOME/unispec or ~/.cache/unispec
+    json_out: Path | None = None
+    plot: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.threads is None:
+            object.__setattr__(self, "threads", default_threads())
+        if self.cache_dir is None:
+            object.__setattr__(self, "cache_dir", default_cache_dir())
+        for flag, values in (("--batch-sizes", self.batch_sizes), ("--repeats", (self.repeats,)),
+                             ("--max-tokens", (self.max_tokens,)), ("--threads", (self.threads,))):
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                raise InvalidRequestError(f"{flag} needs integers >= 1, got {','.join(map(str, values)) or '(none)'}")
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise InvalidRequestError(f"--temperature needs values >= 0 (0 = greedy), got {self.temperatures}")
+        unknown = sorted(set(self.peers) - {"transformers", "ort-genai"})
+        if unknown:
+            raise InvalidRequestError(f"--peers: unknown {unknown}; use transformers, ort-genai or none")
+
+
+# --- figures ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Pass:
+    """One timed pass of one engine over one cell's prompts."""
+
+    wall_s: float
+    tokens: int                              # generated tokens, all rows
+    steps: int | None = None                 # unispec only: engine steps and their split
+    graph_s: float | None = None
+    host_s: float | None = None
+    mean_accepted_length: float | None = None
+    acceptance_per_position: tuple[float, ...] = ()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def figures(self) -> dict[str, Any]:
+        """Everything a row reports about the pass (raw figures plus derived per-step times)."""
+        d = {**asdict(self), "tokens_per_s": self.tokens_per_s, "acceptance_per_position":
+             list(self.acceptance_per_position)}
+        if self.steps:
+            d["graph_ms_per_step"] = 1e3 * self.graph_s / self.steps
+            d["host_ms_per_step"] = 1e3 * self.host_s / self.steps
+            d["host_share"] = self.host_s / (self.graph_s + self.host_s)
+        return d
+
+
+@dataclass
+class Row:
+    """One engine in one (batch size, temperature) cell: its passes, or why it could not run."""
+
+    engine: str
+    batch_size: int
+    temperature: float
+    passes: list[Pass] = field(default_factory=list)
+    why: str | None = None
+    speedup: float | None = None             # the artifact's median tokens/s / this row's (same cell)
+
+    @property
+    def median(self) -> dict[str, Any]:
+        """Per-figure medians over the passes (per position for acceptance); {} when it did not run."""
+        runs = [p.figures() for p in self.passes]
+        if not runs:
+            return {}
+        out: dict[str, Any] = {}
+        for key, value in runs[0].items():
+            if isinstance(value, list):
+                out[key] = [statistics.median(r[key][j] for r in runs) for j in range(len(value))]
+            elif value is not None:
+                out[key] = statistics.median(r[key] for r in runs)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"engine": self.engine, "batch_size": self.batch_size, "temperature": self.temperature,
+                "why": self.why, "speedup": self.speedup, "median": self.median,
+                "runs": [p.figures() for p in self.passes]}
+
+
+@dataclass
+class BenchReport:
+    config: BenchConfig
+    artifact_engine: str
+    rows: list[Row]
+    machine: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.config).items()}
+        return {"config": config, "machine": self.machine, "artifact_engine": self.artifact_engine,
+                "notes": self.notes, "rows": [r.to_json() for r in self.rows]}
+
+
+# --- engines -----------------------------------------------------------------------------------------------
+
+class PeerUnavailable(Exception):
+    """A peer cannot run here (not installed, wrong architecture, build failure): `str()` says why."""
+
+
+class Runner(Protocol):
+    name: str
+
+    def run(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> Pass: ...
+
+    def close(self) -> None: ...
+
+
+class UnispecRunner:
+    """An artifact through the runtime's LLM (one LLM for every cell: the warm-up pays its first-run costs)."""
+
+    def __init__(self, artifact_dir: Path, backend: str, threads: int) -> None:
+        from runtime.llm import LLM
+
+        options = {"num_threads": threads} if backend == "ort" else {}
+        self.llm = LLM(artifact_dir, backend=backend, **options)
+        self.manifest = self.llm.manifest
+        self.name = f"unispec {self.manifest.method} ({backend})"
+
+    def run(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> Pass:
+        from runtime.sampling_params import SamplingParams
+
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=i)
+                  for i in range(len(prompts))]
+        self.llm.engine.reset_timings()
+        started = time.perf_counter()
+        outputs = self.llm.generate(prompts, params)
+        wall = time.perf_counter() - started
+        t = self.llm.engine.reset_timings()
+        accepted = [a for o in outputs for a in o.metrics.accepted_per_step]     # every decode step, every row
+        k = self.manifest.num_speculative_tokens
+        per_position = tuple(sum(a > j for a in accepted) / len(accepted) if accepted else 0.0 for j in range(k))
+        return Pass(wall_s=wall, tokens=sum(len(o.token_ids) for o in outputs), steps=t.steps, graph_s=t.graph_s,
+                    host_s=t.host_s, mean_accepted_length=1 + sum(accepted) / len(accepted) if accepted else 1.0,
+                    acceptance_per_position=per_position)
+
+    def close(self) -> None:
+        del self.llm
+
+
+def measure(runner: Runner, batches: list[list[list[int]]], temperature: float, max_tokens: int) -> Row:
+    """A warm-up pass on batches[0], then one timed pass per batch. A peer that fails becomes a row saying why."""
+    row = Row(runner.name, len(batches[0]), temperature)
+    try:
+        runner.run(batches[0], temperature, max_tokens)
+        row.passes = [runner.run(batch, temperature, max_tokens) for batch in batches]
+    except PeerUnavailable as exc:
+        row.why = str(exc)
+    except Exception as exc:
+        if isinstance(runner, UnispecRunner):
+            raise                                # our own engines fail the command (in one line if ours)
+        row.why = f"{type(exc).__name__}: {first_line(str(exc))}"   # a peer library's failure: carry on
+    return row
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "(no message)")
+
+
+# --- prompts -------------------------------------------------------------------------------------------------
+
+def load_prompts(path: Path) -> list[str]:
+    """A .jsonl of {"prompt": "..."} objects, or any other text file with one prompt per line."""
+    if not path.is_file():
+        raise InvalidRequestError(f"--prompts {path}: no such file")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix != ".jsonl":
+        prompts = lines
+    else:
+        prompts = []
+        for i, line in enumerate(lines, 1):
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"{path}:{i}: not JSON ({exc.msg}); write one {{\"prompt\": ...}} "
+                                          "object per line") from None
+            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+                raise InvalidRequestError(f"{path}:{i}: expected an object with a string \"prompt\"")
+            prompts.append(item["prompt"])
+    if not prompts:
+        raise InvalidRequestError(f"{path}: holds no prompts")
+    return prompts
+
+
+def find_prompts(config: BenchConfig, checkpoint: Path | None) -> Path:
+    """--prompts, else prompts.jsonl in or beside the target checkpoint, else the repo's models/prompts.jsonl."""
+    if config.prompts is not None:
+        return config.prompts
+    near = [checkpoint / PROMPTS_NAME, checkpoint.parent / PROMPTS_NAME] if checkpoint is not None else []
+    for path in [*near, REPO_PROMPTS]:
+        if path.is_file():
+            return path
+    where = ", ".join(str(p) for p in [*near, REPO_PROMPTS])
+    raise InvalidRequestError(f"no prompts: pass --prompts FILE (.jsonl or .txt); looked for {where}")
+
+
+def encode_prompts(runner: UnispecRunner, texts: Sequence[str], chat: bool) -> list[list[int]]:
+    llm = runner.llm
+    if llm.tokenizer is None:
+        raise InvalidRequestError(f"{runner.name}: the artifact has no tokenizer.json, so text prompts cannot be "
+                                  "encoded; export from a checkpoint that ships its tokenizer")
+    return [llm.encode([{"role": "user", "content": t}] if chat else t) for t in texts]
+
+
+def batches_of(prompts: Sequence[list[int]], size: int, repeats: int) -> list[list[list[int]]]:
+    """One batch of `size` prompts per timed pass, each pass taking the next ones (cycling), so passes cover
+    more prompts than one batch holds; every engine gets the same batches."""
+    return [[prompts[(r * size + i) % len(prompts)] for i in range(size)] for r in range(repeats)]
+
+
+# --- the benchmark ------------------------------------------------------------------------------------------
+
+def checkpoint_for(config: BenchConfig, manifest: Manifest) -> Path | None:
+    if config.checkpoint is not None:
+        return config.checkpoint
+    return Path(manifest.target_checkpoint) if manifest.target_checkpoint else None
+
+
+def check_baseline(manifest: Manifest, baseline: Manifest, path: Path) -> list[str]:
+    """A one-line error unless `baseline` is target-only on the same target; notes on what may still differ."""
+    if baseline.method != "none" or baseline.target_arch != manifest.target_arch:
+        raise InvalidRequestError(f"--baseline {path} is a {baseline.method} artifact of a {baseline.target_arch} "
+                                  f"target; pass the `none` artifact of the same {manifest.target_arch} target")
+    if None not in (manifest.target_checkpoint, baseline.target_checkpoint) and \
+            manifest.target_checkpoint != baseline.target_checkpoint:
+        return [f"the baseline was exported from {baseline.target_checkpoint}, the artifact from "
+                f"{manifest.target_checkpoint}"]
+    return []
+
+
+def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchReport:
+    """Every engine over every (batch size, temperature) cell; `progress` hears what runs next."""
+    from unispec.bench_peers import machine_info, peer_runners, thread_limits
+
+    manifest, notes = Manifest.load(config.artifact_dir), []
+    if config.baseline is not None:
+        notes += check_baseline(manifest, Manifest.load(config.baseline), config.baseline)
+    if max(config.batch_sizes) > manifest.max_batch_size:
+        notes.append(f"the artifact runs at most {manifest.max_batch_size} rows per step; larger batches queue")
+    runners: list[Runner] = [UnispecRunner(d, config.backend, config.threads)
+                             for d in (config.artifact_dir, config.baseline) if d is not None]
+    checkpoint = checkpoint_for(config, manifest)
+    prompts = encode_prompts(runners[0], load_prompts(find_prompts(config, checkpoint)), config.chat)
+    rows: list[Row] = []
+    with thread_limits(config.threads):
+        peers, peer_notes = peer_runners(config, manifest, checkpoint)
+        runners += peers
+        try:
+            for size in config.batch_sizes:
+                batches = batches_of(prompts, size, config.repeats)
+                for temperature in config.temperatures:
+                    cell = []
+                    for runner in runners:
+                        progress(f"{runner.name}: batch {size}, temperature {temperature:g}")
+                        cell.append(measure(runner, batches, temperature, config.max_tokens))
+                    _add_speedups(cell)
+                    rows += cell
+        finally:
+            for runner in runners:
+                runner.close()
+    return BenchReport(config=config, artifact_engine=runners[0].name, rows=rows,
+                       machine=machine_info(config.threads), notes=peer_notes + notes)
+
+
+def _add_speedups(cell: list[Row]) -> None:
+    """cell[0] is the artifact: every row that ran gets the artifact's median tokens/s over its own."""
+    ours = cell[0].median.get("tokens_per_s")
+    for row in cell:
+        theirs = row.median.get("tokens_per_s")
+        if ours and theirs:
+            row.speedup = ours / theirs

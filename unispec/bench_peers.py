@@ -1,0 +1,315 @@
+"""`unispec bench`'s peers, run in the same process on the checkpoint the artifact was exported from.
+
+  transformers generate        AutoModelForCausalLM (float32) .generate: a batch of left-padded prompts,
+                               greedy at temperature 0 else sampling (top-k / top-p off, as unispec's
+                               defaults); min_new_tokens = max_new_tokens, so eos cannot end a row early
+  transformers prompt lookup   the same with prompt_lookup_num_tokens (transformers' draft-free
+                               speculative decoding); batch 1 only, as transformers allows
+  transformers assisted        assisted generation with the draft checkpoint, only when it is a standalone
+                               causal LM (unispec's drafts are heads on the target's hidden states)
+  onnxruntime-genai            Llama 3 targets: its model builder (fp32, cpu), cached under
+                               <cache>/ort-genai/<hash of the checkpoint's files>, then its Generator API
+
+A peer that cannot run is an `Unavailable` runner: every cell gets a row with its reason.
+Generated tokens are counted row by row up to and including a row's first eos.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from runtime.manifest import Manifest
+from unispec.bench import BenchConfig, Pass, PeerUnavailable, Runner, first_line
+
+__all__ = ["HfRunner", "OrtGenaiRunner", "Unavailable", "machine_info", "peer_runners", "thread_limits"]
+
+HEAD_METHODS_WHY = "its draft is a head on the target's hidden states, not a causal LM transformers can load"
+GENAI_ARCHS = ("llama3",)
+VERSIONED = ("unispec", "onnxruntime", "onnxruntime-genai", "torch", "transformers", "numpy")
+
+
+class Unavailable:
+    """A peer that cannot run here: every cell becomes a row saying why."""
+
+    def __init__(self, name: str, why: str) -> None:
+        self.name, self.why = name, why
+
+    def run(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> Pass:
+        raise PeerUnavailable(self.why)
+
+    def close(self) -> None:
+        pass
+
+
+def peer_runners(config: BenchConfig, manifest: Manifest, checkpoint: Path | None) -> tuple[list[Runner], list[str]]:
+    """The peers config.peers asks for, in report order, and notes for the report."""
+    notes = [f"{config.threads} intra-op threads for ONNX Runtime (unispec), torch and onnxruntime-genai"]
+    missing = _checkpoint_problem(checkpoint)
+    runners: list[Runner] = []
+    if "transformers" in config.peers:
+        runners += _hf_runners(manifest, checkpoint, missing)
+    if "ort-genai" in config.peers:
+        runners.append(_genai_runner(config, manifest, checkpoint, missing))
+    if runners and not missing:
+        notes.append(f"peers load {checkpoint}")
+    return runners, notes
+
+
+def _checkpoint_problem(checkpoint: Path | None) -> str | None:
+    if checkpoint is None:
+        return "no checkpoint: the artifact's manifest records none (exported before unispec recorded it); " \
+               "pass --checkpoint DIR"
+    if not (checkpoint / "config.json").is_file():
+        return f"checkpoint {checkpoint} has no config.json (moved or deleted?); pass --checkpoint DIR"
+    return None
+
+
+def _hf_runners(manifest: Manifest, checkpoint: Path | None, missing: str | None) -> list[Runner]:
+    names = ("transformers generate", "transformers prompt lookup", "transformers assisted")
+    if missing:
+        return [Unavailable(n, missing) for n in names]
+    try:
+        model = _load_hf(checkpoint)
+    except PeerUnavailable as exc:
+        return [Unavailable(n, str(exc)) for n in names]
+    lookup = manifest.num_speculative_tokens or 10
+    runners: list[Runner] = [HfRunner(names[0], model, manifest),
+                             HfRunner(names[1], model, manifest, prompt_lookup=lookup)]
+    draft_why = _standalone_draft_problem(manifest)
+    if draft_why is not None:
+        runners.append(Unavailable(names[2], draft_why))
+    else:
+        try:
+            runners.append(HfRunner(names[2], model, manifest, assistant=_load_hf(Path(manifest.draft_checkpoint))))
+        except PeerUnavailable as exc:
+            runners.append(Unavailable(names[2], str(exc)))
+    return runners
+
+
+def _standalone_draft_problem(manifest: Manifest) -> str | None:
+    """None when the artifact's draft checkpoint is a causal LM transformers can load as an assistant."""
+    if manifest.method == "none":
+        return "no draft: the artifact is target-only (method none)"
+    if manifest.draft_checkpoint is None or not Path(manifest.draft_checkpoint, "config.json").is_file():
+        return f"{manifest.method}: {HEAD_METHODS_WHY}"
+    config = json.loads(Path(manifest.draft_checkpoint, "config.json").read_text())
+    architectures = config.get("architectures") or [""]
+    if not str(architectures[0]).endswith("ForCausalLM"):
+        return f"{manifest.method} ({architectures[0] or 'no architectures'}): {HEAD_METHODS_WHY}"
+    return None
+
+
+def _load_hf(checkpoint: Path) -> Any:
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
+    except ImportError:
+        raise PeerUnavailable("transformers is not installed (pip install 'unispec[bench]')") from None
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    except Exception as exc:                   # an architecture transformers does not know, a bad file, ...
+        raise PeerUnavailable(f"transformers cannot load {checkpoint}: {first_line(str(exc))}") from None
+
+
+class HfRunner:
+    """transformers `generate` on a left-padded batch (also prompt lookup and assisted generation)."""
+
+    def __init__(self, name: str, model: Any, manifest: Manifest, *, prompt_lookup: int | None = None,
+                 assistant: Any = None) -> None:
+        self.name, self.model = name, model
+        self.eos = set(manifest.tokenizer.eos_token_ids)
+        self.pad = min(self.eos) if self.eos else 0
+        self.vocab_size = manifest.vocab_size
+        self.extra: dict[str, Any] = {}
+        if prompt_lookup is not None:
+            self.extra["prompt_lookup_num_tokens"] = prompt_lookup
+        if assistant is not None:
+            self.extra["assistant_model"] = assistant
+
+    def run(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> Pass:
+        import torch
+
+        if self.extra and len(prompts) > 1:
+            raise PeerUnavailable("transformers runs prompt lookup / assisted generation at batch 1 only")
+        width = max(map(len, prompts))
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])              # [B, width]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])          # [B, width]
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
+            else dict(do_sample=False)
+        torch.manual_seed(0)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, pad_token_id=self.pad,
+                                      eos_token_id=sorted(self.eos) or None, **sampling, **self.extra)
+        wall = time.perf_counter() - started
+        return Pass(wall_s=wall, tokens=count_generated(out[:, width:].tolist(), self.eos))
+
+    def close(self) -> None:
+        self.model = self.extra = None
+
+
+def count_generated(rows: Sequence[Sequence[int]], eos: set[int]) -> int:
+    """Generated tokens per row up to and including its first eos (what follows is padding), summed."""
+    return sum(next((i + 1 for i, t in enumerate(row) if t in eos), len(row)) for row in rows)
+
+
+# --- onnxruntime-genai --------------------------------------------------------------------------------------
+
+def _genai_runner(config: BenchConfig, manifest: Manifest, checkpoint: Path | None, missing: str | None) -> Runner:
+    name = "onnxruntime-genai (cpu)"
+    why = missing or _genai_problem(manifest, checkpoint)
+    if why is not None:
+        return Unavailable(name, why)
+    try:
+        return OrtGenaiRunner(name, build_genai_model(checkpoint, config.cache_dir / "ort-genai"), manifest,
+                              config.threads)
+    except PeerUnavailable as exc:
+        return Unavailable(name, str(exc))
+
+
+def _genai_problem(manifest: Manifest, checkpoint: Path) -> str | None:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        return "onnxruntime-genai is not installed (pip install 'unispec[bench]')"
+    if manifest.target_arch not in GENAI_ARCHS:
+        return f"compared on Llama 3 targets only; this target is {manifest.target_arch}"
+    config = json.loads((checkpoint / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim % 8:
+        return f"its builder needs head_dim a multiple of 8; this target has {head_dim}"
+    absent = [f for f in ("tokenizer.json", "tokenizer_config.json") if not (checkpoint / f).is_file()]
+    if absent:
+        return f"its builder needs {' and '.join(absent)} in {checkpoint}"
+    return None
+
+
+def checkpoint_digest(checkpoint: Path) -> str:
+    """Content hash of the checkpoint's files (big weight files by size, head and tail) + the builder version."""
+    digest = hashlib.sha256(version("onnxruntime-genai").encode())
+    for path in sorted(p for p in checkpoint.iterdir() if p.is_file()):
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            if size <= 64 * 2**20:
+                digest.update(f.read())
+            else:
+                digest.update(f.read(8 * 2**20))
+                f.seek(size - 8 * 2**20)
+                digest.update(f.read())
+    return digest.hexdigest()[:20]
+
+
+def build_genai_model(checkpoint: Path, cache: Path) -> Path:
+    """The builder's fp32 CPU model of `checkpoint`, built once per checkpoint content and kept in `cache`."""
+    out = cache / checkpoint_digest(checkpoint)
+    if (out / "genai_config.json").is_file():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(tmp),
+               "-p", "fp32", "-e", "cpu", "-c", str(tmp / "hf-cache")]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            lines = [line for line in done.stderr.splitlines() if line.strip()] or ["(no output)"]
+            raise PeerUnavailable(f"its model builder failed: {lines[-1].strip()}")
+        shutil.rmtree(tmp / "hf-cache", ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+class OrtGenaiRunner:
+    """onnxruntime-genai's Generator on a left-padded batch (its pad token marks the padding)."""
+
+    def __init__(self, name: str, model_dir: Path, manifest: Manifest, threads: int) -> None:
+        import onnxruntime_genai as og
+
+        self.name, self.og = name, og
+        config = og.Config(str(model_dir))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
+        genai = json.loads((model_dir / "genai_config.json").read_text())["model"]
+        eos = genai.get("eos_token_id", list(manifest.tokenizer.eos_token_ids))
+        self.eos = set(eos if isinstance(eos, list) else [eos])
+        self.pad = int(genai.get("pad_token_id", min(self.eos, default=0)))
+        self.vocab_size = manifest.vocab_size
+
+    def run(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> Pass:
+        import numpy as np
+
+        width = max(map(len, prompts))
+        ids = np.array([[self.pad] * (width - len(p)) + p for p in prompts], dtype=np.int32)   # [B, width]
+        params = self.og.GeneratorParams(self.model)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=self.vocab_size, top_p=1.0, random_seed=0) \
+            if temperature > 0 else dict(do_sample=False)
+        params.set_search_options(max_length=width + max_tokens, min_length=width + max_tokens,
+                                  batch_size=len(prompts), **sampling)
+        started = time.perf_counter()
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(ids)
+        while not generator.is_done():
+            generator.generate_next_token()
+        wall = time.perf_counter() - started
+        rows = [list(map(int, generator.get_sequence(i)))[width:] for i in range(len(prompts))]
+        return Pass(wall_s=wall, tokens=count_generated(rows, self.eos))
+
+    def close(self) -> None:
+        self.model = None
+
+
+# --- environment -----------------------------------------------------------------------------------------------
+
+@contextmanager
+def thread_limits(threads: int) -> Iterator[None]:
+    """torch's intra-op threads for the peers (ONNX Runtime sessions get theirs at creation); restored after."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    versions = {}
+    for package in VERSIONED:
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            continue
+    return {"platform": platform.platform(), "processor": _cpu_model() or platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "threads": threads, "python": platform.python_version(),
+            "versions": versions}
+
+
+def _cpu_model() -> str | None:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
