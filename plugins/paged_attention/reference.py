@@ -44,13 +44,15 @@ def paged_attention(
     rows = row_ids_of(row_offsets, num_tokens)                                       # [S]
     qg = q.reshape(num_tokens, num_kv_heads, group, q.shape[-1]).float()             # [S, Hkv, G, D]
 
-    # Past: each query reads its own row's gathered cache.
-    kc = k_cache.float()[rows]                                                       # [S, P, Hkv, D]
-    vc = v_cache.float()[rows]                                                       # [S, P, Hkv, Dv]
-    # matmuls rather than einsums: ONNX Runtime's Einsum kernel is several times slower at these shapes.
-    past_scores = torch.matmul(qg, kc.permute(0, 2, 3, 1)) * scale                  # [S, Hkv, G, P]
-    slot = torch.arange(k_cache.shape[1], device=q.device)                           # [P]
-    past_ok = slot[None, :] < cache_lengths[rows][:, None]                           # [S, P]
+    # Past: each query reads its own row's gathered cache, laid out for the matmuls BEFORE the per-query
+    # Gather (B rows are transposed, not S queries). Matmuls rather than einsums and index_select (Gather)
+    # rather than advanced indexing (GatherND): both several times faster in ONNX Runtime at these shapes.
+    slots = k_cache.shape[1]
+    kc = k_cache.float().permute(0, 2, 3, 1).index_select(0, rows)                   # [S, Hkv, D, P]
+    vc = v_cache.float().transpose(1, 2).index_select(0, rows)                       # [S, Hkv, P, Dv]
+    past_scores = torch.matmul(qg, kc) * scale                                       # [S, Hkv, G, P]
+    slot = torch.arange(slots, device=q.device)                                      # [P]
+    past_ok = slot[None, :] < cache_lengths.index_select(0, rows)[:, None]           # [S, P]
 
     # New: every token of the step, masked to the same row (and causally).
     new_scores = torch.matmul(qg, k.float().permute(1, 2, 0)) * scale               # [S, Hkv, G, S]
@@ -67,6 +69,7 @@ def paged_attention(
     ok = torch.cat([past_ok, new_ok], dim=-1)[:, None, None, :]                      # [S, 1, 1, P+S]
     scores = scores.masked_fill(~ok, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    values = torch.cat([vc, v.float()[None].expand(num_tokens, -1, -1, -1)], dim=1)  # [S, P+S, Hkv, Dv]
-    out = torch.matmul(probs, values.transpose(1, 2))                               # [S, Hkv, G, Dv]
+    # Past and new values weighted separately: no per-query copy of the step's V.
+    out = torch.matmul(probs[..., :slots], vc) \
+        + torch.matmul(probs[..., slots:], v.float().transpose(0, 1))               # [S, Hkv, G, Dv]
     return out.reshape(num_tokens, num_q_heads, v.shape[-1]).to(q.dtype)
