@@ -85,14 +85,29 @@ def verify(
     drafts = draft_tokens.clamp(min=0)                                             # [B, K] gatherable
     draft_logit = logits[:, :num_drafts].gather(-1, drafts[..., None])[..., 0]     # [B, K]
 
-    target = truncated_probs(logits, *params)                                      # [B, K+1, V]
-    accepted, candidates = _strict_verdict(target, drafts, has_draft, noise, draft_probs)
-    if in_thinking_phase is not None:
-        relaxed = relaxed_verdict(logits[:, :num_drafts], drafts, top_n=relaxed_top_n, delta=relaxed_delta)
-        accepted = accepted | (in_thinking_phase[:, None] & relaxed)
+    def sampled_rows(logits: torch.Tensor, drafts: torch.Tensor, has_draft: torch.Tensor, noise: torch.Tensor,
+                     *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        params, optional = rest[:4], iter(rest[4:])
+        probs = next(optional) if draft_probs is not None else None
+        target = truncated_probs(logits, *params)                                  # [B, K+1, V]
+        accepted, candidates = _strict_verdict(target, drafts, has_draft, noise, probs)
+        if in_thinking_phase is not None:
+            relaxed = relaxed_verdict(logits[:, :num_drafts], drafts, top_n=relaxed_top_n, delta=relaxed_delta)
+            accepted = accepted | (next(optional)[:, None] & relaxed)
+        return accepted, candidates
+
+    def greedy_rows_only(logits: torch.Tensor, drafts: torch.Tensor, *_: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros_like(drafts, dtype=torch.bool), logits.argmax(dim=-1)   # replaced below
+
+    # The sampled verdict (softmax, truncation, inverse CDF in float64) runs only when some row samples:
+    # an all-greedy step skips it (torch.cond, an ONNX If).
+    greedy = is_greedy(temperature)[:, None]                                       # [B, 1]
+    operands = (logits, drafts, has_draft, noise, *params,
+                *(t for t in (draft_probs, in_thinking_phase) if t is not None))
+    accepted, candidates = torch.cond((~greedy).any(), sampled_rows, greedy_rows_only, operands)
 
     argmax = logits.argmax(dim=-1)                                                 # [B, K+1]
-    greedy = is_greedy(temperature)[:, None]                                       # [B, 1]
     # Boolean select by logic ops: ONNX Runtime has no CPU kernel for Where over bool.
     accepted = (greedy & (drafts == argmax[:, :num_drafts])) | (~greedy & accepted)
     candidates = torch.where(greedy, argmax, candidates)
@@ -108,8 +123,16 @@ def _plain_decoding(logits: torch.Tensor, temperature: torch.Tensor, params: lis
                     noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K = 0 (static): only the bonus position. Kept free of [B, 0, ...] tensors, which ONNX Runtime
     mis-shapes in several ops (Gather, ReduceMax) when the graph is run."""
-    sampled = sample_inverse_cdf(truncated_probs(logits, *params), noise[..., NOISE_TARGET])[:, 0]  # [B]
-    next_tokens = torch.where(is_greedy(temperature), logits[:, 0].argmax(dim=-1), sampled)          # [B]
+    greedy = is_greedy(temperature)                                                                  # [B]
+
+    def some_sampled(logits: torch.Tensor, noise: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        sampled = sample_inverse_cdf(truncated_probs(logits, *params), noise[..., NOISE_TARGET])[:, 0]  # [B]
+        return torch.where(greedy, logits[:, 0].argmax(dim=-1), sampled)
+
+    def all_greedy(logits: torch.Tensor, noise: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        return logits[:, 0].argmax(dim=-1)
+
+    next_tokens = torch.cond((~greedy).any(), some_sampled, all_greedy, (logits, noise, *params))  # [B]
     return torch.zeros_like(next_tokens), next_tokens
 
 
