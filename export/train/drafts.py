@@ -1,0 +1,265 @@
+"""Draft models trained on their target's own outputs, through the modules the export builds.
+
+Data: windows of the training stream cut to a short prompt, continued greedily by the target (transformers
+`generate`); every position is labelled with the target's argmax, so a draft learns to agree with the
+target, which is all acceptance rewards. The frozen target's features (final-normed hidden, captured layer
+outputs, K/V rows) come from the export's own target module, exactly as the step graph computes them.
+
+Each draft is built by the method's own builder (`export.methods.METHODS[...]`) from an in-memory
+checkpoint, trained with the custom ops swapped for their differentiable references, and written back
+through the inverse of its weight adapter, so what is saved is what the export reads.
+
+Unrolled draft steps ("training-time test"): sequential drafters run step 0 over whole sequences (token j+1
+with the target feature of j, the EAGLE/MTP shift), then steps s = 1 .. K-1 per anchor a, at position a + s,
+feeding the previous step's carried state, over a working cache holding step-0 rows at slots <= a and the
+anchor's own step-t rows at a + t, exactly the cache the step graph builds. DFlash runs its block forward
+from anchors c with the context rows of positions < c.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from export.train.common import Schedule, differentiable_ops, invert_adapter, train_loop
+
+STEP_WEIGHT = 0.8        # loss weight of draft position s is STEP_WEIGHT ** s
+
+
+class MemoryCheckpoint(dict):
+    """A draft checkpoint held in memory, shaped like `export.checkpoint.Checkpoint` for the builders."""
+
+    def __init__(self, config: dict[str, Any], tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+        super().__init__(tensors)
+        self.config, self.path = config, path
+
+
+@dataclass
+class TargetData:
+    tokens: torch.Tensor      # [N, n] prompt + greedy continuation
+    labels: torch.Tensor      # [N, n] target argmax at every position (prediction of the next token)
+    hidden: torch.Tensor      # [N, n, H] final-normed
+    captured: torch.Tensor    # [N, n, C, H]
+    deltas: dict[str, torch.Tensor]   # pool name -> [N, n, L, W]
+
+
+@torch.no_grad()
+def greedy_sequences(target_dir: Path, train_ids: torch.Tensor, *, count: int, prompt_len: int, total_len: int,
+                     seed: int, log: Callable[[str], None]) -> torch.Tensor:
+    """[count, total_len]: training-stream prompts continued greedily by the target (transformers generate)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, train_ids.numel() - prompt_len, (count,), generator=gen).tolist()
+    prompts = torch.stack([train_ids[s:s + prompt_len] for s in starts])
+    out = []
+    for chunk in prompts.split(128):
+        out.append(model.generate(chunk, attention_mask=torch.ones_like(chunk), do_sample=False,
+                                  max_new_tokens=total_len - prompt_len, min_new_tokens=total_len - prompt_len,
+                                  pad_token_id=model.config.pad_token_id))
+        log(f"  generated {sum(o.shape[0] for o in out)}/{count} target continuations")
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def target_features(target: torch.nn.Module, tokens: torch.Tensor, *, rows_per_call: int = 8) -> TargetData:
+    """Run the export's target module over whole sequences (empty pools), keeping every position's outputs."""
+    n = tokens.shape[1]
+    saved, target.num_logits = target.num_logits, n
+    shapes = target.pool_shapes()
+    parts: list[tuple[torch.Tensor, ...]] = []
+    try:
+        for chunk in tokens.split(rows_per_call):
+            b = chunk.shape[0]
+            pools = [torch.zeros(1, layers, 1, width) for layers, width in shapes.values()]
+            with differentiable_ops():      # the batched attention is also the fast one
+                logits, hidden, captured, *deltas = target(
+                    chunk.reshape(-1), torch.arange(b + 1) * n, torch.arange(n).repeat(b),
+                    torch.zeros(b, dtype=torch.int64), torch.zeros(b, 1, dtype=torch.int64), *pools)
+            parts.append((logits.argmax(-1), hidden.view(b, n, -1), captured.view(b, n, *captured.shape[1:]),
+                          *(d.view(b, n, *d.shape[1:]) for d in deltas)))
+    finally:
+        target.num_logits = saved
+    cols = [torch.cat(c) for c in zip(*parts)]
+    return TargetData(tokens=tokens, labels=cols[0], hidden=cols[1], captured=cols[2],
+                      deltas=dict(zip(shapes, cols[3:])))
+
+
+# --- losses -------------------------------------------------------------------------------------------------
+
+def sequential_loss(step: torch.nn.Module, data: TargetData, rows: torch.Tensor, *, num_anchors: int,
+                    gen: torch.Generator) -> torch.Tensor:
+    """Unrolled K-step loss of a drafter with its own one-layer pool (Eagle3, MTP/NextN)."""
+    from export.step.sequential import DraftBatch
+
+    drafter, k = step.drafter, step.k
+    tokens, labels = data.tokens[rows], data.labels[rows]                               # [B, n]
+    b, n = tokens.shape
+    hidden = drafter.feature(data.hidden[rows].flatten(0, 1), data.captured[rows].flatten(0, 1))  # [B*n, F]
+    zeros = torch.zeros(b, dtype=torch.int64)
+    # step 0 at j < n-1: token j+1 with the feature of j -> predicts the target's token after j+1
+    shifted = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1).reshape(-1)             # [B*n]
+    batch = DraftBatch(shifted, hidden, torch.arange(n).repeat(b), torch.arange(b + 1) * n, zeros, zeros)
+    cache = (hidden.new_zeros(1, b, 1, _pool_width(drafter)),)
+    carry, head_in, (rows0,) = drafter(batch, cache)                                    # rows0 [B*n, 1, W]
+    valid = n - 1 - k                                                                   # anchors a < valid
+    loss = F.cross_entropy(drafter.logits(head_in.view(b, n, -1)[:, :n - 2].flatten(0, 1)).float(),
+                           labels[:, 1:n - 1].reshape(-1))
+    # anchors for the later steps
+    anchor_row = torch.randint(0, b, (num_anchors,), generator=gen)
+    anchor_pos = torch.randint(0, valid, (num_anchors,), generator=gen)
+    flat = anchor_row * n + anchor_pos
+    context = rows0[:, 0].view(b, n, -1)[anchor_row]                                    # [A, n, W]
+    carry, own = carry[flat], []
+    one_each = torch.arange(num_anchors + 1)
+    for s in range(1, k):
+        position = anchor_pos + s                                                       # [A]
+        cache_s = context.clone()
+        for t, row in enumerate(own, start=1):
+            cache_s[torch.arange(num_anchors), anchor_pos + t] = row
+        batch = DraftBatch(labels[anchor_row, anchor_pos + s], carry, position, one_each, position,
+                           anchor_pos + 1)
+        carry, head_in, (new_rows,) = drafter(batch, (cache_s[None],))
+        own.append(new_rows[:, 0])
+        target = labels[anchor_row, anchor_pos + s + 1]
+        loss = loss + STEP_WEIGHT ** s * F.cross_entropy(drafter.logits(head_in).float(), target)
+    return loss / sum(STEP_WEIGHT ** s for s in range(k))
+
+
+def _pool_width(drafter: torch.nn.Module) -> int:
+    (_, width), = drafter.pool_shapes().values()
+    return width
+
+
+def assistant_loss(step: torch.nn.Module, data: TargetData, rows: torch.Tensor, *, num_anchors: int,
+                   gen: torch.Generator) -> torch.Tensor:
+    """Unrolled K-step loss of the Gemma 4 assistant: one query per anchor at the constant position
+    committed = a + 1, reading the target's K/V of positions <= a (its Q-only layers own no cache)."""
+    from export.archs.gemma4.config import LAYER_TYPES
+    from export.archs.gemma4.model import POOL_NAMES
+    from export.step.sequential import DraftBatch
+
+    drafter, k = step.drafter, step.k
+    n = data.tokens.shape[1]
+    anchor_row = rows[torch.randint(0, rows.numel(), (num_anchors,), generator=gen)]
+    anchor_pos = torch.randint(1, n - 1 - k, (num_anchors,), generator=gen)           # a >= 1: a row has a past
+    cache = tuple(data.deltas[POOL_NAMES[t]][anchor_row][:, :, drafter.kv_slots[t]] for t in LAYER_TYPES)  # [A, n, W]
+    one_each = torch.arange(num_anchors + 1)
+    committed = anchor_pos + 1
+    tokens, hidden = data.tokens[anchor_row, anchor_pos + 1], data.hidden[anchor_row, anchor_pos]
+    loss = 0.0
+    for s in range(k):
+        batch = DraftBatch(tokens, hidden, anchor_pos + s, one_each, committed, committed)
+        hidden, head_in, _ = drafter(batch, cache)
+        loss = loss + STEP_WEIGHT ** s * F.cross_entropy(drafter.logits(head_in).float(),
+                                                         data.labels[anchor_row, anchor_pos + s + 1])
+        tokens = data.labels[anchor_row, anchor_pos + s + 1]
+    return loss / sum(STEP_WEIGHT ** s for s in range(k))
+
+
+def block_loss(step: torch.nn.Module, data: TargetData, rows: torch.Tensor, *, num_anchors: int,
+               gen: torch.Generator) -> torch.Tensor:
+    """DFlash: context rows materialized from the target taps of every position; blocks anchored at c with
+    the token at c first and mask tokens after it, reading the rows of positions < c; position i of the
+    block learns the target's token c + i."""
+    drafter, k = step.drafter, step.k
+    tokens, labels = data.tokens[rows], data.labels[rows]                               # [B, n]
+    b, n = tokens.shape
+    positions = torch.arange(n).repeat(b)
+    (context,) = drafter.materialize(data.captured[rows].flatten(0, 1), positions)      # [B*n, Ld, W]
+    context = context.view(b, n, *context.shape[1:])                                    # [B, n, Ld, W]
+    anchor_row = torch.randint(0, b, (num_anchors,), generator=gen)
+    anchor_pos = torch.randint(1, n - k, (num_anchors,), generator=gen)                 # c
+    cache = context[anchor_row].permute(2, 0, 1, 3)                                     # [Ld, A, n, W]
+    hidden = drafter.block_hidden(tokens[anchor_row, anchor_pos], anchor_pos, (cache,))  # [A, K, H]
+    logits = drafter.logits(hidden.flatten(0, 1)).view(num_anchors, k, -1)             # [A, K, V]
+    wanted = labels[anchor_row[:, None], anchor_pos[:, None] + torch.arange(k)[None, :]]  # [A, K]
+    per_position = F.cross_entropy(logits.flatten(0, 1), wanted.reshape(-1), reduction="none").view(num_anchors, k)
+    weights = STEP_WEIGHT ** torch.arange(k, dtype=torch.float32)
+    return (per_position.mean(0) * weights).sum() / weights.sum()
+
+
+LOSSES = {"dflash": block_loss, "eagle3": sequential_loss, "mtp": sequential_loss, "gemma4-mtp": assistant_loss}
+
+
+# --- training and write-back ----------------------------------------------------------------------------------
+
+def build_step(method: str, target_dir: Path, draft: MemoryCheckpoint | None, k: int) -> torch.nn.Module:
+    """The export's step module for `method` (fp32), its target frozen."""
+    from export.checkpoint import Checkpoint
+    from export.methods import METHODS
+
+    step = METHODS[method].build(Checkpoint.open(target_dir), draft, k=k)
+    step.target.requires_grad_(False)
+    return step
+
+
+def draft_parameters(step: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The drafter's own parameters (shared target tensors stay frozen)."""
+    frozen = {id(p) for p in step.target.parameters()}
+    return [p for p in step.drafter.parameters() if id(p) not in frozen]
+
+
+def accuracy(step: torch.nn.Module, method: str, data: TargetData, *, seed: int) -> dict[str, float]:
+    """Held-out draft loss over fixed anchors (the same seed every time)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.arange(data.tokens.shape[0])
+    with torch.no_grad():
+        loss = float(LOSSES[method](step, data, rows, num_anchors=512, gen=gen))
+    return {"held_out_draft_loss": loss}
+
+
+def train_draft(method: str, step: torch.nn.Module, train: TargetData, held: TargetData, schedule: Schedule, *,
+                seed: int, log: Callable[[str], None], name: str) -> dict[str, float]:
+    params = draft_parameters(step)
+    gen = torch.Generator().manual_seed(seed)
+    loss_of = LOSSES[method]
+
+    def step_loss(_: int) -> torch.Tensor:
+        rows = torch.randint(0, train.tokens.shape[0], (schedule.batch_size,), generator=gen)
+        return loss_of(step, train, rows, num_anchors=schedule.anchors, gen=gen)
+
+    step.drafter.train()
+    with differentiable_ops():
+        losses = train_loop(params, schedule, step_loss, log=log, name=name)
+        step.drafter.eval()
+        figures = {"train_loss_last_50": sum(losses[-50:]) / len(losses[-50:]), **accuracy(step, method, held, seed=seed)}
+    log(f"{name}: held-out draft loss {figures['held_out_draft_loss']:.3f}")
+    return figures
+
+
+def save_draft(step: torch.nn.Module, draft: MemoryCheckpoint, adapt: Callable, out: Path) -> None:
+    """Write the trained drafter back into checkpoint layout and check the export reads the same numbers."""
+    from export.tiny.common import save_checkpoint
+
+    write_back = invert_adapter(adapt, dict(draft))
+    tensors = write_back(step.drafter.state_dict())
+    save_checkpoint(out, draft.config, tensors)
+
+
+def finetune_mtp(target_dir: Path, sequences: tuple[torch.Tensor, torch.Tensor], schedule: Schedule, *, k: int,
+                 seed: int, log: Callable[[str], None]) -> dict[str, float]:
+    """After the joint run: the MTP layer, reused for K draft steps as method `mtp` runs it, trained further on
+    the (now frozen) target's own outputs, and written back into the checkpoint's `model.layers.{L}`."""
+    from safetensors.torch import load_file, save_file
+
+    from export.archs.nextn.weights import adapt_nextn, mtp_prefix
+
+    step = build_step("mtp", target_dir, None, k)
+    train, held = (target_features(step.target, s) for s in sequences)
+    figures = train_draft("mtp", step, train, held, schedule, seed=seed, log=log, name="deepseek-v3 mtp")
+    config = step.drafter.config
+    prefix = mtp_prefix(config)
+    tensors = load_file(str(target_dir / "model.safetensors"))
+    template = {key: t for key, t in tensors.items() if key.startswith(prefix + ".")}
+    write_back = invert_adapter(lambda source: adapt_nextn(source, config, prefix), template)
+    tensors |= write_back(step.drafter.state_dict())
+    save_file({key: t.contiguous() for key, t in sorted(tensors.items())}, str(target_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    return {f"mtp_{key}": value for key, value in figures.items()}

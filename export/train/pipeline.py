@@ -1,0 +1,210 @@
+"""`python -m export.train [--out models]`: the whole bundled-model run, one stage per model.
+
+A model directory that already holds `unispec-train.json` with the same recipe hash is kept (so `make models`
+resumes), anything else is (re)built into a temporary sibling and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from export.train import cards
+from export.train.common import Schedule
+from export.train.corpus import held_out_prompts, stdlib_corpus, write_prompts
+from export.train.tokenizer import EOS, MASK, PAD, save_tokenizer, train_tokenizer
+
+SEED = 20261122
+VOCAB = 1024
+TRAIN_CHARS = 8_000_000
+HELD_OUT_CHARS = 600_000
+NUM_PROMPTS = 48
+STAMP = "unispec-train.json"
+NUM_SEQUENCES, NUM_HELD_SEQUENCES, PROMPT_LEN, SEQUENCE_LEN = 1024, 64, 32, 128
+MTP_K = 3
+
+TARGET_SCHEDULES = {
+    "llama3": Schedule(steps=1000, batch_size=24, seq_len=128, lr=3e-3),
+    "deepseek-v3": Schedule(steps=600, batch_size=16, seq_len=128, lr=3e-3),
+    "gemma4": Schedule(steps=700, batch_size=24, seq_len=128, lr=3e-3),
+}
+TARGET_DIRS = {"llama3": "llama3", "deepseek-v3": "deepseek-v3", "gemma4": "gemma4"}
+
+
+class Run:
+    """Shared state of one `make models` run: corpus, tokenizer, token streams, output root."""
+
+    def __init__(self, out: Path, *, log: Callable[[str], None] = print) -> None:
+        self.out, self.log = out, log
+        self.corpus = stdlib_corpus()
+        train_texts = self.corpus.texts("train", TRAIN_CHARS)
+        self.tokenizer = train_tokenizer(train_texts, VOCAB)
+        self.special = {"eos": self.tokenizer.token_to_id(EOS), "pad": self.tokenizer.token_to_id(PAD),
+                        "mask": self.tokenizer.token_to_id(MASK)}
+        self.train_ids = self._ids(train_texts)
+        self.held_ids = self._ids(self.corpus.texts("held_out", HELD_OUT_CHARS))
+        self.prompts = held_out_prompts(self.corpus, NUM_PROMPTS)
+        self._sequences: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.facts = {"python_stdlib": str(self.corpus.root), "corpus_fingerprint": self.corpus.fingerprint(),
+                      "train_files": len(self.corpus.train_files), "held_out_files": len(self.corpus.held_out_files),
+                      "train_tokens": int(self.train_ids.numel()), "held_out_tokens": int(self.held_ids.numel()),
+                      "vocab_size": VOCAB, "seed": SEED}
+
+    def _ids(self, texts: list[str]) -> torch.Tensor:
+        """Each file's tokens followed by EOS, as one stream."""
+        eos = self.special["eos"]
+        ids: list[int] = []
+        for enc in self.tokenizer.encode_batch(texts):
+            ids += [*enc.ids, eos]
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def sequences(self, family: str, target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+        """(train, held-out) [N, SEQUENCE_LEN] prompts continued greedily by the family's target (made once)."""
+        from export.train import drafts
+
+        if family not in self._sequences:
+            self._sequences[family] = tuple(drafts.greedy_sequences(
+                target_dir, ids, count=count, prompt_len=PROMPT_LEN, total_len=SEQUENCE_LEN, seed=SEED + i,
+                log=self.log) for i, (ids, count) in enumerate(((self.train_ids, NUM_SEQUENCES),
+                                                                (self.held_ids, NUM_HELD_SEQUENCES))))
+        return self._sequences[family]
+
+    def stage(self, name: str, recipe: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> Path:
+        """Build models/<name> unless it is already there with this recipe."""
+        dest = self.out / name
+        digest = hashlib.sha256(json.dumps({**recipe, **self.facts}, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        stamp = dest / STAMP
+        if stamp.is_file() and json.loads(stamp.read_text()).get("recipe_hash") == digest:
+            self.log(f"{name}: up to date")
+            return dest
+        tmp = self.out / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        start = time.perf_counter()
+        figures = build(tmp)
+        seconds = time.perf_counter() - start
+        save_tokenizer(self.tokenizer, tmp)
+        info = {"recipe_hash": digest, "recipe": recipe, "facts": self.facts, "figures": figures,
+                "train_seconds": round(seconds, 1), "torch": torch.__version__}
+        (tmp / STAMP).write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
+        (tmp / "README.md").write_text(cards.model_card(name, info, tmp))
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+        self.log(f"{name}: done in {seconds:.0f} s")
+        return dest
+
+
+def train_targets(run: Run, families: list[str]) -> None:
+    from export.train.targets import CONFIGS
+
+    for family in families:
+        schedule = TARGET_SCHEDULES[family]
+        recipe = {"kind": "target", "family": family, "config": CONFIGS[family], "schedule": schedule.recipe()}
+        if family == "deepseek-v3":
+            recipe["mtp_finetune"] = {"k": MTP_K, "schedule": DRAFT_SCHEDULE.recipe()}
+        run.stage(TARGET_DIRS[family], recipe, lambda tmp, f=family, s=schedule: _target_stage(run, f, s, tmp))
+
+
+def _target_stage(run: Run, family: str, schedule: Schedule, tmp: Path) -> dict[str, Any]:
+    from export.train import drafts
+    from export.train.targets import train_target
+
+    figures = train_target(family, run.train_ids, run.held_ids, schedule, run.special, tmp, seed=SEED, log=run.log)
+    if family == "deepseek-v3":        # DeepSeek's MTP layer: joint training above, then as a K-step drafter
+        figures |= drafts.finetune_mtp(tmp, run.sequences(family, tmp), DRAFT_SCHEDULE, k=MTP_K, seed=SEED,
+                                       log=run.log)
+    return figures
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftSpec:
+    name: str
+    method: str
+    target: str                    # family
+    k: int
+    make: str                      # function of export.train.draft_configs
+    adapter: str                   # "module:function" taking (source, config dict)
+    schedule: Schedule
+
+
+DRAFT_SCHEDULE = Schedule(steps=1500, batch_size=16, seq_len=128, lr=2e-3, anchors=256)
+DRAFTS = (
+    DraftSpec(name="llama3-dflash", method="dflash", target="llama3", k=7, make="dflash",
+              adapter="export.train.pipeline:adapt_dflash", schedule=DRAFT_SCHEDULE),
+    DraftSpec(name="llama3-eagle3", method="eagle3", target="llama3", k=3, make="eagle3_mha",
+              adapter="export.train.pipeline:adapt_eagle3", schedule=DRAFT_SCHEDULE),
+    DraftSpec(name="deepseek-v3-eagle3-mla", method="eagle3", target="deepseek-v3", k=3, make="eagle3_mla",
+              adapter="export.train.pipeline:adapt_eagle3", schedule=DRAFT_SCHEDULE),
+    DraftSpec(name="gemma4-assistant", method="gemma4-mtp", target="gemma4", k=3, make="gemma4_assistant",
+              adapter="export.train.pipeline:adapt_assistant", schedule=DRAFT_SCHEDULE),
+)
+
+
+def adapt_dflash(source: Any, config: dict[str, Any]) -> Any:
+    from export.archs.dflash.config import DFlashConfig
+    from export.archs.dflash.weights import adapt_dflash as adapt
+
+    cfg = DFlashConfig.from_hf(config)
+    return adapt(source, cfg, len(cfg.target_layer_ids(config["num_target_layers"])))
+
+
+def adapt_eagle3(source: Any, config: dict[str, Any]) -> Any:
+    from export.archs.eagle3.config import Eagle3Config
+    from export.archs.eagle3.weights import adapt_eagle3 as adapt
+
+    return adapt(source, Eagle3Config.from_hf(config))
+
+
+def adapt_assistant(source: Any, config: dict[str, Any]) -> Any:
+    from export.archs.gemma4_assistant.config import Gemma4AssistantConfig
+    from export.archs.gemma4_assistant.weights import adapt_gemma4_assistant
+
+    return adapt_gemma4_assistant(source, Gemma4AssistantConfig.from_hf(config))
+
+
+def train_drafts(run: Run, specs: list[DraftSpec]) -> None:
+    from export.train import draft_configs, drafts
+
+    for spec in specs:
+        target_dir = run.out / TARGET_DIRS[spec.target]
+        target_config = json.loads((target_dir / "config.json").read_text())
+        recipe = {"kind": "draft", "method": spec.method, "k": spec.k, "target": spec.target,
+                  "target_hash": json.loads((target_dir / STAMP).read_text())["recipe_hash"],
+                  "schedule": spec.schedule.recipe(), "make": spec.make,
+                  "config": getattr(draft_configs, spec.make)(target_config, SEED)[0],
+                  "data": [NUM_SEQUENCES, NUM_HELD_SEQUENCES, PROMPT_LEN, SEQUENCE_LEN]}
+
+        def build(tmp: Path, spec: DraftSpec = spec, target_dir: Path = target_dir,
+                  target_config: dict[str, Any] = target_config) -> dict[str, Any]:
+            config, tensors = getattr(draft_configs, spec.make)(target_config, SEED)
+            draft = drafts.MemoryCheckpoint(config, tensors, tmp)
+            step = drafts.build_step(spec.method, target_dir, draft, spec.k)
+            train, held = (drafts.target_features(step.target, s) for s in run.sequences(spec.target, target_dir))
+            figures = drafts.train_draft(spec.method, step, train, held, spec.schedule, seed=SEED, log=run.log,
+                                         name=spec.name)
+            module, function = spec.adapter.split(":")
+            adapt = getattr(importlib.import_module(module), function)
+            drafts.save_draft(step, draft, lambda src: adapt(src, config), tmp)
+            return figures
+
+        run.stage(spec.name, recipe, build)
+
+
+def main(out: Path, only: list[str] | None = None) -> None:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    out.mkdir(parents=True, exist_ok=True)
+    run = Run(out)
+    write_prompts(run.prompts, out / "prompts.jsonl")
+    run.log(f"corpus: {run.facts}")
+    for family in TARGET_SCHEDULES:           # each target, then its drafts (they need it)
+        train_targets(run, [family] if not only or TARGET_DIRS[family] in only else [])
+        train_drafts(run, [d for d in DRAFTS if d.target == family and (not only or d.name in only)])
