@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from export.onnx_files import op_counts, plugin_ops, save_with_external_weights, tensor_specs
+from export.onnx_files import op_counts, plugin_ops, save_with_external_weights, tensor_specs, write_ort_graph
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ConfigError, ExportError
 from runtime.manifest import Manifest, PoolSpec, TensorSpec, TokenizerInfo
@@ -103,6 +103,7 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
             shutil.rmtree(tmp / "trace")
             stages.start("check graph")
             graph = _check_graph(tmp / io.MODEL_NAME, step)
+            write_ort_graph(tmp, io.ORT_MODEL_NAME)
             stages.start("write manifest")
             tokenizer = _copy_tokenizer(target_dir, sources["config"], tmp)
             _manifest(graph, step, settings, sources, tokenizer, tmp).write(tmp)
@@ -222,6 +223,7 @@ def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSetting
         noise_channels=NOISE_CHANNELS, structured_output=step.structured_output, pools=_pools(inputs, step),
         inputs=inputs, outputs=tensor_specs(graph.output), ops=plugin_ops(graph),
         weights_file=io.WEIGHTS_NAME if (out / io.WEIGHTS_NAME).is_file() else None,
+        ort_model_file=io.ORT_MODEL_NAME if (out / io.ORT_MODEL_NAME).is_file() else None,
         tokenizer=tokenizer, exporter=exporter_versions(), target_checkpoint=sources["target_checkpoint"],
         draft_checkpoint=sources["draft_checkpoint"])
 

@@ -54,6 +54,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MODEL_NAME = "model.onnx"
 WEIGHTS_NAME = "model.onnx.data"
+ORT_MODEL_NAME = "model.ort.onnx"         # the same graph, functions inlined and optimized for ONNX Runtime
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 
 
@@ -117,6 +118,9 @@ class Manifest:
     ops: tuple[str, ...] = ()                # unispec custom ops in the graph
     model_file: str = MODEL_NAME
     weights_file: str | None = WEIGHTS_NAME
+    # ONNX Runtime's copy of the graph (custom-op functions inlined, shapes folded; the same weights file);
+    # None in artifacts written before it, which ORT then runs from model_file
+    ort_model_file: str | None = None
     tokenizer: TokenizerInfo = field(default_factory=TokenizerInfo)
     exporter: dict[str, str] = field(default_factory=dict)   # package -> version
     # absolute checkpoint directories exported from (provenance; `unispec bench` loads them for its peers);

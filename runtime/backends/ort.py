@@ -124,9 +124,10 @@ def _step_env(feeds: Mapping[str, np.ndarray], manifest: io.Manifest) -> dict[st
 def _open_session(artifact_dir: Path, manifest: io.Manifest, providers: Sequence[str] | None,
                   num_threads: int | None) -> Any:
     ort = _ort()
-    model = artifact_dir / manifest.model_file
+    # ONNX Runtime's own copy of the graph when the artifact has one (functions inlined and folded at export).
+    model = artifact_dir / (manifest.ort_model_file or manifest.model_file)
     if not model.is_file():
-        raise ArtifactError(f"{artifact_dir}: no {manifest.model_file}; the artifact is damaged, re-export it")
+        raise ArtifactError(f"{artifact_dir}: no {model.name}; the artifact is damaged, re-export it")
     if manifest.weights_file and not (artifact_dir / manifest.weights_file).is_file():
         raise ArtifactError(f"{artifact_dir}: no {manifest.weights_file} (the model's weights); the artifact "
                             "is damaged, re-export it")

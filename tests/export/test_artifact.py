@@ -73,8 +73,8 @@ def tree_digest(directory: Path) -> dict[str, str]:
 def test_files_pass_the_checker_with_external_weights(artifacts: dict[str, Path], method: str) -> None:
     path = artifacts[method]
     assert sorted(p.name for p in path.iterdir()) == sorted(
-        [io.MODEL_NAME, io.WEIGHTS_NAME, io.MANIFEST_NAME, "tokenizer.json", "tokenizer_config.json",
-         "generation_config.json"])
+        [io.MODEL_NAME, io.ORT_MODEL_NAME, io.WEIGHTS_NAME, io.MANIFEST_NAME, "tokenizer.json",
+         "tokenizer_config.json", "generation_config.json"])
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]     # no temp or old dirs left
     onnx.checker.check_model(str(path / io.MODEL_NAME), full_check=True)
     model = onnx.load(str(path / io.MODEL_NAME), load_external_data=False)
@@ -277,3 +277,18 @@ def test_polygraphy_inspects_and_runs_an_artifact(artifacts: dict[str, Path], ch
                           "--save-outputs", str(tmp_path / "out.json")], capture_output=True, text=True)
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
     assert "PASSED" in ran.stdout + ran.stderr and (tmp_path / "out.json").is_file()
+
+
+def test_the_ort_graph_is_inlined_smaller_and_shares_the_weights_file(artifacts: dict[str, Path]) -> None:
+    path = artifacts["eagle3"]
+    assert Manifest.load(path).ort_model_file == io.ORT_MODEL_NAME
+    full = onnx.load(str(path / io.MODEL_NAME), load_external_data=False)
+    ort_graph = onnx.load(str(path / io.ORT_MODEL_NAME), load_external_data=False)
+    assert not ort_graph.functions and not any(n.domain == "unispec" for n in ort_graph.graph.node)
+    bodies = {(f.name, f.overload): len(f.node) for f in full.functions}
+    inlined = sum(bodies.get((n.op_type, n.overload), 1) for n in full.graph.node)   # nodes once inlined
+    assert len(ort_graph.graph.node) < inlined                  # the optimizer folded some away
+    locations = {entry.value for t in ort_graph.graph.initializer for entry in t.external_data
+                 if entry.key == "location"}
+    assert locations == {io.WEIGHTS_NAME}
+    assert (path / io.ORT_MODEL_NAME).stat().st_size < (path / io.WEIGHTS_NAME).stat().st_size

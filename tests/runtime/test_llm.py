@@ -161,7 +161,7 @@ def test_damaged_artifacts_fail_in_one_line(damage: str, artifact, tmp_path) -> 
     elif damage == "bad json":
         (path / io.MANIFEST_NAME).write_text('{"method": "none",')
     elif damage == "no model":
-        (path / io.MODEL_NAME).unlink()
+        (path / (manifest.get("ort_model_file") or io.MODEL_NAME)).unlink()
     elif damage == "no weights":
         if not manifest.get("weights_file"):
             manifest["weights_file"] = io.WEIGHTS_NAME            # an artifact that says it has them
