@@ -234,13 +234,18 @@ def train_draft(method: str, step: torch.nn.Module, train: TargetData, held: Tar
     return figures
 
 
+STORAGE_DTYPE = torch.float16   # drafts are stored in half precision: the bundled models must fit in 30 MB
+
+
 def save_draft(step: torch.nn.Module, draft: MemoryCheckpoint, adapt: Callable, out: Path) -> None:
-    """Write the trained drafter back into checkpoint layout and check the export reads the same numbers."""
+    """Write the trained drafter back into checkpoint layout, floating tensors in STORAGE_DTYPE (the export
+    casts them to the artifact's dtype; a draft's precision only moves acceptance, never the output)."""
     from export.tiny.common import save_checkpoint
 
     write_back = invert_adapter(adapt, dict(draft))
-    tensors = write_back(step.drafter.state_dict())
-    save_checkpoint(out, draft.config, tensors)
+    tensors = {key: t.to(STORAGE_DTYPE) if t.is_floating_point() else t
+               for key, t in write_back(step.drafter.state_dict()).items()}
+    save_checkpoint(out, {**draft.config, "torch_dtype": str(STORAGE_DTYPE).removeprefix("torch.")}, tensors)
 
 
 def finetune_mtp(target_dir: Path, sequences: tuple[torch.Tensor, torch.Tensor], schedule: Schedule, *, k: int,

@@ -153,8 +153,10 @@ def mtp_loss(mtp: torch.nn.Module, hidden: torch.Tensor, batch: torch.Tensor) ->
 
 
 def _append_mtp_layer(model: torch.nn.Module, mtp: torch.nn.Module, out: Path) -> None:
-    """Write the MTP layer into the saved checkpoint the way DeepSeek ships it: `model.layers.{L}` with copies of
-    the embedding and head, config `num_nextn_predict_layers: 1`."""
+    """Write the MTP layer into the saved checkpoint as DeepSeek ships it (`model.layers.{L}`, config
+    `num_nextn_predict_layers: 1`), but without its copies of the embedding and head: the layer shares the
+    target's (as every runtime, unispec's included, reads it), and the copies would cost 1 MB of the
+    bundled models' 30 MB."""
     from safetensors.torch import load_file, save_file
 
     from export.archs.nextn.weights import adapt_nextn
@@ -163,8 +165,7 @@ def _append_mtp_layer(model: torch.nn.Module, mtp: torch.nn.Module, out: Path) -
     write_back = invert_adapter(lambda src: adapt_nextn(src, config, prefix), mtp.template)
     layer = write_back({k: v for k, v in mtp.state_dict().items()})
     tensors = load_file(str(out / "model.safetensors"))
-    tensors |= layer | {f"{prefix}.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
-                        f"{prefix}.shared_head.head.weight": tensors["lm_head.weight"].clone()}
+    tensors |= layer
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())

@@ -44,7 +44,10 @@ def test_draft_trains_and_round_trips_through_its_checkpoint(name, tmp_path, mon
     reread = METHODS[spec.method].build(Checkpoint.open(target_dir), Checkpoint.open(tmp_path / "d"), k=spec.k)
     trained, loaded = step.drafter.state_dict(), reread.drafter.state_dict()
     assert trained.keys() == loaded.keys()
-    assert all(torch.equal(trained[key], loaded[key]) for key in trained)
+    shared = {p.data_ptr() for p in step.target.parameters()}          # the target's, not stored with the draft
+    stored = {key: t.to(drafts.STORAGE_DTYPE).to(t.dtype) if t.is_floating_point() and t.data_ptr() not in shared
+              else t for key, t in trained.items()}
+    assert [key for key in trained if not torch.equal(stored[key], loaded[key])] == []
 
 
 def test_mtp_finetune_rewrites_the_targets_mtp_layer_in_place(tmp_path) -> None:
