@@ -18,8 +18,10 @@ OUT ?= artifacts/$(METHOD)
 ART ?= $(OUT)
 RECIPE ?=
 TIMING_CACHE ?=
+# make bench ART=artifacts/x [BENCH_ARGS="--baseline artifacts/none --batch-sizes 1 --json out.json --plot out.png"]
+BENCH_ARGS ?=
 
-.PHONY: install test test-all lint demo export engines bench clean
+.PHONY: install test test-all lint demo models export engines bench clean
 
 install: $(STAMP)
 
@@ -43,6 +45,12 @@ lint: install
 demo: install
 	$(UNISPEC) demo
 
+# Retrains the bundled models under models/ from this machine's Python stdlib (CPU, about 40 minutes);
+# a model whose recipe, corpus and target are unchanged is kept. MODELS="llama3 llama3-dflash" limits it.
+MODELS ?=
+models: install
+	$(PY) -u -m export.train --out models $(if $(MODELS),--only $(MODELS))
+
 export: install
 	@test -n "$(TARGET)" || { echo "usage: make export TARGET=dir [DRAFT=dir] METHOD=m K=n OUT=dir"; exit 2; }
 	$(UNISPEC) export --target $(TARGET) $(if $(DRAFT),--draft $(DRAFT)) --method $(METHOD) \
@@ -53,7 +61,7 @@ engines: install
 	$(UNISPEC) build $(ART) $(if $(RECIPE),--recipe $(RECIPE)) $(if $(TIMING_CACHE),--timing-cache $(TIMING_CACHE))
 
 bench: install
-	$(UNISPEC) bench $(ART)
+	$(UNISPEC) bench $(ART) $(BENCH_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,56 +1,82 @@
-"""`unispec demo` until the bundled trained models land (issue #9): the whole pipeline on tiny random weights.
+"""`unispec demo`: the bundled trained Llama 3 + DFlash pair (models/, from `make models`) end to end.
 
-tiny Llama 3 + DFlash checkpoints -> `dflash` and `none` artifacts (cached) -> ONNX Runtime generation ->
-greedy speculative output compared with target-only output. Random weights accept almost no drafts, so
-the acceptance and speed printed here say nothing about speculative decoding's gains; the trained models
-and `unispec bench` of issue #9 will.
+models/llama3 + models/llama3-dflash -> `dflash` and `none` artifacts (cached under the cache dir, rebuilt
+when the models change) -> ONNX Runtime CPU generation of a few held-out prompts, batch 1, greedy ->
+generated text, mean accepted length, tokens/s of both, the speed-up, and the check that speculative output
+equals target-only output token for token.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
-PROMPTS = ([5, 17, 42, 99, 7, 3, 61], [200, 13, 13, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+from runtime.errors import UnispecError
+
+NUM_PROMPTS = 4
+STAMP = "unispec-train.json"
 
 
-def _artifact(cache: Path, name: str, tiny: dict[str, Path], method: str, k: int) -> Path:
+def _recipe_hash(model_dir: Path) -> str:
+    stamp = model_dir / STAMP
+    if not stamp.is_file():
+        raise UnispecError(f"{model_dir} is not a bundled model (no {STAMP}); run `make models` or pass --models-dir")
+    return json.loads(stamp.read_text())["recipe_hash"]
+
+
+def _artifact(cache: Path, target: Path, draft: Path | None, method: str, k: int) -> Path:
+    """Export once per (method, model versions); a retrained model gets a fresh artifact."""
     from export.artifact import export_model
 
-    out = cache / name
-    if not (out / "manifest.json").is_file():
-        export_model(tiny["target"], tiny.get("draft") if method != "none" else None, method=method,
-                     num_speculative_tokens=k, out_dir=out, block_size=8, max_model_len=256, max_batch_size=4,
-                     max_tokens_per_step=64, progress=False)
+    key = "-".join([_recipe_hash(target)] + ([_recipe_hash(draft)] if draft else []))
+    out = cache / f"{target.name}-{method}-k{k}"
+    stamp = out / "demo-source.txt"
+    if not (out / "manifest.json").is_file() or not stamp.is_file() or stamp.read_text() != key:
+        export_model(target, draft, method=method, num_speculative_tokens=k, out_dir=out, block_size=16,
+                     max_model_len=512, max_batch_size=16, max_tokens_per_step=256, progress=False)
+        stamp.write_text(key)
     return out
 
 
-def run_demo(cache: Path, console: Console, *, max_tokens: int = 32) -> bool:
+def _timed(llm: object, prompts: list[str], params: object) -> tuple[list, float]:
+    """Generate each prompt alone (batch 1) after a warm-up; returns outputs and total seconds."""
+    llm.generate(prompts[:1], params)
+    start, outputs = time.perf_counter(), []
+    for prompt in prompts:
+        outputs += llm.generate([prompt], params)
+    return outputs, time.perf_counter() - start
+
+
+def run_demo(models: Path, cache: Path, console: Console, *, max_tokens: int = 64) -> bool:
     """Returns whether speculative greedy output equalled target-only output for every prompt."""
-    from export.tiny import write_tiny
     from runtime.llm import LLM
     from runtime.sampling_params import SamplingParams
 
+    target, draft = models / "llama3", models / "llama3-dflash"
+    _recipe_hash(target), _recipe_hash(draft)          # fail early, in one line, when models/ is missing
+    k = json.loads((draft / "config.json").read_text())["block_size"] - 1
+    prompts = [json.loads(line)["prompt"] for line in (models / "prompts.jsonl").read_text().splitlines()][:NUM_PROMPTS]
     cache.mkdir(parents=True, exist_ok=True)
-    with console.status("writing tiny checkpoints and exporting (cached after the first run)..."):
-        tiny = write_tiny(family="llama3", draft="dflash", out_dir=cache / "tiny", seed=0)
-        spec_dir = _artifact(cache, "llama3-dflash", tiny, "dflash", 3)
-        base_dir = _artifact(cache, "llama3-none", tiny, "none", 0)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)  # greedy: comparable
-    spec = LLM(spec_dir).generate([list(p) for p in PROMPTS], params)
-    base = LLM(base_dir).generate([list(p) for p in PROMPTS], params)
-    table = Table(title="tiny random Llama 3 + DFlash (K = 3) on ONNX Runtime CPU")
-    for column in ("prompt", "first generated ids", "mean accepted length", "tokens/s", "== target-only"):
-        table.add_column(column)
-    lossless = True
-    for prompt, s, b in zip(PROMPTS, spec, base):
-        same = s.token_ids == b.token_ids
-        lossless &= same
-        table.add_row(str(list(prompt)), str(s.token_ids[:8]) + " ...", f"{s.metrics.mean_accepted_length:.2f}",
-                      f"{s.metrics.tokens_per_s:.0f}", "yes" if same else "NO")
-    console.print(table)
-    console.print("Random weights accept almost no drafts: these figures show the pipeline works, not the "
-                  "speed-up. Trained bundled models and `unispec bench` arrive with issue #9.")
+    with console.status("exporting the bundled Llama 3 + DFlash pair (cached after the first run)..."):
+        spec_dir = _artifact(cache, target, draft, "dflash", k)
+        base_dir = _artifact(cache, target, None, "none", 0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    spec, spec_s = _timed(LLM(spec_dir), prompts, params)
+    base, base_s = _timed(LLM(base_dir), prompts, params)
+    lossless = all(s.token_ids == b.token_ids for s, b in zip(spec, base))
+    console.rule(f"bundled Llama 3 + DFlash (K = {k}), ONNX Runtime CPU, batch 1, greedy")
+    for i, (prompt, s, b) in enumerate(zip(prompts, spec, base), 1):
+        same = "equals" if s.token_ids == b.token_ids else "DIFFERS FROM"
+        console.print(f"[bold]prompt {i}[/bold]: accepted length {s.metrics.mean_accepted_length:.2f}, "
+                      f"output {same} target-only")
+        console.print(Text(prompt, style="dim"), Text(s.text, style="cyan"), sep="", end="\n\n")
+    tokens = sum(len(s.token_ids) for s in spec)
+    accepted = sum(s.metrics.mean_accepted_length for s in spec) / len(spec)
+    console.print(f"dflash {tokens / spec_s:.0f} tokens/s, target-only {tokens / base_s:.0f} tokens/s: "
+                  f"speed-up {base_s / spec_s:.2f}x, mean accepted length {accepted:.2f}; "
+                  f"greedy output {'equals' if lossless else 'DIFFERS FROM'} target-only output")
     return lossless

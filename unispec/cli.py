@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from runtime.errors import NotImplementedYetError, UnispecError
+from runtime.errors import UnispecError
 
 METHODS = ("none", "mtp", "nextn", "eagle3", "eagle3-mha", "dflash", "gemma4-mtp")
 FAMILIES = ("llama3", "deepseek-v3", "gemma4")
@@ -25,10 +25,6 @@ class _Group(click.Group):
             if ctx.obj and ctx.obj.get("debug"):
                 raise
             raise click.ClickException(str(exc)) from None
-
-
-def _not_yet(command: str, issue: int) -> None:
-    raise NotImplementedYetError(f"`unispec {command}` is not implemented yet (issue #{issue})")
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -139,17 +135,77 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
     Console(highlight=False, soft_wrap=True).print(f"[dim]{escape(stream.output.summary())}[/dim]")
 
 
+def _number_list(kind: type, flag: str, example: str, lowest: float, none_ok: bool = False):
+    """A click callback: "1,4,16" -> (1, 4, 16); a one-line error for anything else."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str) -> tuple:
+        if none_ok and value.strip() == "none":
+            return ()
+        try:
+            values = tuple(kind(v) for v in value.split(","))
+        except ValueError:
+            values = ()
+        if not values or any(v < lowest for v in values):
+            raise UnispecError(f"{flag} {value!r}: expected comma-separated {kind.__name__}s >= {lowest:g}, "
+                               f"e.g. {example}")
+        return values
+
+    return parse
+
+
+def _peer_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, ...]:
+    return () if value.strip() == "none" else tuple(v.strip() for v in value.split(",") if v.strip())
+
+
 @main.command()
-@click.argument("artifact_dir", type=click.Path(path_type=Path))
-@click.option("--baseline", type=click.Path(path_type=Path), default=None,
-              help="The target-only (`none`) artifact to compare against.")
-@click.option("--batch-sizes", default="1,4,16", show_default=True)
-@click.option("--temperature", "temperatures", default="0,0.7", show_default=True)
-@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None)
-@click.option("--plot", type=click.Path(path_type=Path), default=None)
-def bench(**_: object) -> None:
-    """Benchmark an artifact against target-only decoding and peers."""
-    _not_yet("bench", 9)
+@click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--baseline", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="The target-only (`none`) artifact of the same target: speedup against it.")
+@click.option("--checkpoint", type=_CHECKPOINT_DIR, default=None,
+              help="HF checkpoint the peers load.  [default: the target checkpoint the manifest records]")
+@click.option("--batch-sizes", callback=_number_list(int, "--batch-sizes", "1,4,16", 1), default="1,4,16",
+              show_default=True, help="Comma-separated batch sizes (requests generated together).")
+@click.option("--temperature", "temperatures", callback=_number_list(float, "--temperature", "0,0.7", 0),
+              default="0,0.7", show_default=True, help="Comma-separated temperatures (0 = greedy).")
+@click.option("--repeats", type=int, default=3, show_default=True,
+              help="Timed passes per engine and cell (after one warm-up); the report keeps their medians.")
+@click.option("--max-tokens", type=int, default=64, show_default=True, help="New tokens per request.")
+@click.option("--threads", type=int, default=None, show_default="all cores",
+              help="Intra-op threads for ONNX Runtime, torch and onnxruntime-genai alike.")
+@click.option("--backend", type=click.Choice(("ort", "trt")), default="ort", show_default=True)
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A .jsonl of {\"prompt\": ...} or a text file with one prompt per line.  [default: "
+                   "prompts.jsonl in or beside the target checkpoint, else models/prompts.jsonl]")
+@click.option("--chat", is_flag=True, help="Wrap each prompt in the tokenizer's chat template.")
+@click.option("--peers", callback=_peer_list, default="transformers,ort-genai", show_default=True,
+              help="Peers to run beside the artifact (transformers, ort-genai), or none.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              show_default="~/.cache/unispec", help="Where onnxruntime-genai builds are kept.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write every pass, the medians, the config and the machine here.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a PNG: tokens/s per engine and batch size, acceptance per position.")
+def bench(**options: Any) -> None:
+    """Benchmark an artifact against target-only decoding and peers (transformers, onnxruntime-genai)."""
+    from rich.console import Console
+
+    from unispec.bench import BenchConfig, run_bench
+    from unispec.bench_report import headline, report_tables, write_json, write_plot
+
+    config = BenchConfig(**options)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 200))   # a log or a pipe: whole rows, no wrapping
+    with console.status("bench: loading") as status:
+        report = run_bench(config, progress=lambda what: status.update(f"bench: {what}"))
+    for renderable in report_tables(report):
+        console.print(renderable)
+    for line in headline(report):
+        console.print(line, highlight=False)
+    if config.json_out is not None:
+        click.echo(f"json: {write_json(report, config.json_out)}")
+    if config.plot is not None:
+        click.echo(f"plot: {write_plot(report, config.plot)}")
 
 
 @main.command()
@@ -242,16 +298,19 @@ def _artifact_tables(directory: Path, view: Any) -> list[Any]:
 
 
 @main.command()
+@click.option("--models-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("models"),
+              show_default=True, help="The bundled models (`make models` writes them).")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=Path("artifacts/demo"), show_default=True,
-              help="Where the demo's checkpoints and artifacts are kept between runs.")
-def demo(cache_dir: Path) -> None:
-    """Export a Llama 3 + DFlash pair and generate a few prompts on ONNX Runtime (tiny random weights until
-    the bundled trained models land)."""
+              help="Where the demo's artifacts are kept between runs.")
+@click.option("--max-tokens", type=click.IntRange(1, 400), default=64, show_default=True)
+def demo(models_dir: Path, cache_dir: Path, max_tokens: int) -> None:
+    """Export the bundled Llama 3 + DFlash pair and generate a few held-out prompts on ONNX Runtime CPU,
+    with the speed-up over target-only decoding."""
     from rich.console import Console
 
     from export.demo import run_demo
 
-    if not run_demo(cache_dir, Console()):
+    if not run_demo(models_dir, cache_dir, Console(), max_tokens=max_tokens):
         raise click.ClickException("speculative output differs from target-only output: please report this")
 
 

@@ -51,7 +51,7 @@ def test_torch_and_onnx_runtime_agree(tiny) -> None:
 
 
 def test_the_command_prints_the_tables_and_exits_0(tiny) -> None:
-    result = CliRunner().invoke(main, _argv(tiny))
+    result = CliRunner(env={"COLUMNS": "160"}).invoke(main, _argv(tiny))       # whole names, no wrapping
     assert result.exit_code == 0, result.output
     for text in ("generated tokens", "tokens equal", "first divergence", "kv_delta", "draft_kv_delta",
                  "next_draft_tokens", "max abs", "torch, ort agree"):
