@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-
 LABELS = {
     "held_out_loss": "held-out loss (next-token cross entropy on held-out stdlib text, nats/token)",
     "held_out_mtp_loss": "held-out MTP loss after the joint phase (token t+2, held-out text)",

@@ -13,7 +13,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from export.train.common import Schedule, Windows, differentiable_ops, fixed_windows, invert_adapter, train_loop
+from export.train.common import (
+    Schedule,
+    Windows,
+    differentiable_ops,
+    fixed_windows,
+    invert_adapter,
+    train_loop,
+)
 
 VOCAB = 1024
 MAX_POSITIONS = 1024

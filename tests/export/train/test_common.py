@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from export.train.common import Schedule, Windows, differentiable_ops, fixed_windows, invert_adapter, train_loop
+from export.train.common import (
+    Schedule,
+    Windows,
+    differentiable_ops,
+    fixed_windows,
+    invert_adapter,
+    train_loop,
+)
 
 
 def _adapter(source):
