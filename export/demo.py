@@ -15,10 +15,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
+from export.train.pipeline import STAMP
 from runtime.errors import UnispecError
 
 NUM_PROMPTS = 4
-STAMP = "unispec-train.json"
 
 
 def _recipe_hash(model_dir: Path) -> str:

@@ -28,9 +28,19 @@ from runtime.noise import RequestNoise
 from runtime.sampling_params import SamplingParams
 from runtime.structured import RequestGrammar
 
-__all__ = ["FINISH_REASONS", "RequestMetrics", "RequestOutput", "SequenceState", "validate_prompt"]
+__all__ = ["FINISH_REASONS", "RequestMetrics", "RequestOutput", "SequenceState", "acceptance_summary",
+           "validate_prompt"]
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+def acceptance_summary(accepted: Sequence[int], k: int) -> tuple[float, tuple[float, ...]]:
+    """(mean accepted length = tokens committed per decode step, share of steps that accepted draft j for
+    j < k) of a list of per-step num_accepted; (1.0, zeros) without decode steps."""
+    steps = np.asarray(accepted, dtype=np.int64)                                       # [decode steps]
+    if not steps.size:
+        return 1.0, (0.0,) * k
+    return 1.0 + float(steps.mean()), tuple(float((steps > j).mean()) for j in range(k))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,14 +173,13 @@ class SequenceState:
             self.thinking = False
 
     def metrics(self, k: int) -> RequestMetrics:
-        accepted = np.array(self.accepted, dtype=np.int64)                                  # [decode steps]
-        per_position = tuple(float((accepted > j).mean()) if accepted.size else 0.0 for j in range(k))
+        mean_length, per_position = acceptance_summary(self.accepted, k)
         now = time.perf_counter()
         elapsed = now - (self.admitted_at if self.admitted_at is not None else now)
         first = self.first_token_at - self.submitted_at if self.first_token_at is not None else float("nan")
         return RequestMetrics(
             num_steps=self.num_steps, accepted_per_step=tuple(self.accepted), acceptance_per_position=per_position,
-            mean_accepted_length=1.0 + float(accepted.mean()) if accepted.size else 1.0,
+            mean_accepted_length=mean_length,
             num_generated=len(self.generated), num_preemptions=self.num_preemptions,
             time_to_first_token_s=first, elapsed_s=elapsed,
             tokens_per_s=len(self.generated) / elapsed if elapsed > 0 else 0.0)

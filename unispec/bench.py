@@ -185,6 +185,7 @@ class UnispecRunner:
 
     def run(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> Pass:
         from runtime.sampling_params import SamplingParams
+        from runtime.sequence import acceptance_summary
 
         params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=i)
                   for i in range(len(prompts))]
@@ -194,10 +195,9 @@ class UnispecRunner:
         wall = time.perf_counter() - started
         t = self.llm.engine.reset_timings()
         accepted = [a for o in outputs for a in o.metrics.accepted_per_step]     # every decode step, every row
-        k = self.manifest.num_speculative_tokens
-        per_position = tuple(sum(a > j for a in accepted) / len(accepted) if accepted else 0.0 for j in range(k))
+        mean_length, per_position = acceptance_summary(accepted, self.manifest.num_speculative_tokens)
         return Pass(wall_s=wall, tokens=sum(len(o.token_ids) for o in outputs), steps=t.steps, graph_s=t.graph_s,
-                    host_s=t.host_s, mean_accepted_length=1 + sum(accepted) / len(accepted) if accepted else 1.0,
+                    host_s=t.host_s, mean_accepted_length=mean_length,
                     acceptance_per_position=per_position)
 
     def close(self) -> None:

@@ -73,7 +73,7 @@ def _vocab_map(seed: int) -> StateDict:
     return {"d2t": kept - torch.arange(DRAFT_VOCAB), "t2d": t2d}
 
 
-def _classic_rope(target_config: Config) -> Config:
+def classic_rope(target_config: Config) -> Config:
     """The target's transformers-5 `rope_parameters` in the classic `rope_theta` + `rope_scaling` spelling
     public draft configs use."""
     params = dict(target_config["rope_parameters"])
@@ -101,7 +101,7 @@ def write_eagle3_mha(target_config: Config, target_tensors: StateDict, out: Path
         "max_position_embeddings": target_config["max_position_embeddings"], "vocab_size": V,
         "draft_vocab_size": DRAFT_VOCAB, "tie_word_embeddings": False, "torch_dtype": "float32",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX_IDS, "use_aux_hidden_state": True},
-        **(rope or _classic_rope(target_config)),
+        **(rope or classic_rope(target_config)),
     }
     return save_checkpoint(out, config, tensors)
 
@@ -160,7 +160,7 @@ def write_dflash(target_config: Config, target_tensors: StateDict, out: Path, se
         "block_size": DFLASH_BLOCK, "num_target_layers": L,
         "dflash_config": {"mask_token_id": DFLASH_MASK_ID, "target_layer_ids": DFLASH_TAPS,
                           "block_size": DFLASH_BLOCK},
-        **_classic_rope(target_config),
+        **classic_rope(target_config),
     }
     return save_checkpoint(out, config, tensors)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from export.tiny.drafts import classic_rope
 from export.train.tokenizer import SPECIAL_TOKENS
 
 Config = dict[str, Any]
@@ -28,12 +29,6 @@ def init_tensors(rows: list[tuple[str, str, tuple[int, ...]]], seed: int) -> Ten
             for _, theirs, shape in rows}
 
 
-def _rope(target: Config) -> Config:
-    params = dict(target.get("rope_parameters") or {"rope_theta": target.get("rope_theta", 10000.0)})
-    theta = params.pop("rope_theta", 10000.0)
-    return {"rope_theta": theta, "rope_scaling": params if params.get("rope_type", "default") != "default" else None}
-
-
 def dflash(target: Config, seed: int) -> tuple[Config, Tensors]:
     from export.archs.dflash.config import DFlashConfig
     from export.archs.dflash.weights import dflash_table
@@ -50,19 +45,15 @@ def dflash(target: Config, seed: int) -> tuple[Config, Tensors]:
         "tie_word_embeddings": False, "torch_dtype": "float32", "block_size": DFLASH_BLOCK,
         "num_target_layers": layers,
         "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": taps, "block_size": DFLASH_BLOCK},
-        **_rope(target)}
+        **classic_rope(target)}
     return config, init_tensors(dflash_table(DFlashConfig.from_hf(config), len(taps)), seed)
 
 
 def _eagle3_rows(config: Config, prefix: str) -> list[tuple[str, str, tuple[int, ...]]]:
     from export.archs.eagle3.config import Eagle3Config
-    from export.archs.eagle3.weights import layer_rows
+    from export.archs.eagle3.weights import eagle3_table
 
-    cfg = Eagle3Config.from_hf(config)
-    h = cfg.hidden_size
-    return [("fc.weight", "fc.weight", (h, cfg.fc_in_features)), ("norm.weight", "norm.weight", (h,)),
-            ("lm_head.weight", "lm_head.weight", (cfg.draft_vocab_size, h)),
-            *((ours, f"{prefix}.{theirs}", shape) for ours, theirs, shape in layer_rows(cfg))]
+    return eagle3_table(Eagle3Config.from_hf(config), prefix)
 
 
 def _aux_ids(layers: int) -> list[int]:
@@ -81,7 +72,7 @@ def eagle3_mha(target: Config, seed: int) -> tuple[Config, Tensors]:
         "vocab_size": v, "draft_vocab_size": v, "tie_word_embeddings": False, "torch_dtype": "float32",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": _aux_ids(target["num_hidden_layers"]),
                          "use_aux_hidden_state": True},
-        **_rope(target)}
+        **classic_rope(target)}
     return config, init_tensors(_eagle3_rows(config, "midlayer"), seed)
 
 
@@ -95,7 +86,7 @@ def eagle3_mla(target: Config, seed: int) -> tuple[Config, Tensors]:
         "hidden_size": h, "intermediate_size": EAGLE3_INTERMEDIATE, **mla,
         "num_key_value_heads": target["num_attention_heads"], "num_hidden_layers": 1, "rms_norm_eps": 1e-6,
         "vocab_size": v, "draft_vocab_size": v, "max_position_embeddings": target["max_position_embeddings"],
-        "tie_word_embeddings": False, "torch_dtype": "float32", **_rope(target),
+        "tie_word_embeddings": False, "torch_dtype": "float32", **classic_rope(target),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": _aux_ids(target["num_hidden_layers"]),
                          "use_aux_hidden_state": True}}
     return config, init_tensors(_eagle3_rows(config, "layers.0"), seed)

@@ -75,15 +75,15 @@ def target_features(target: torch.nn.Module, tokens: torch.Tensor, *, rows_per_c
     shapes = target.pool_shapes()
     parts: list[tuple[torch.Tensor, ...]] = []
     try:
-        for chunk in tokens.split(rows_per_call):
-            b = chunk.shape[0]
-            pools = [torch.zeros(1, layers, 1, width) for layers, width in shapes.values()]
-            with differentiable_ops():      # the batched attention is also the fast one
+        with differentiable_ops():          # the batched attention is also the fast one
+            for chunk in tokens.split(rows_per_call):
+                b = chunk.shape[0]
+                pools = [torch.zeros(1, layers, 1, width) for layers, width in shapes.values()]
                 logits, hidden, captured, *deltas = target(
                     chunk.reshape(-1), torch.arange(b + 1) * n, torch.arange(n).repeat(b),
                     torch.zeros(b, dtype=torch.int64), torch.zeros(b, 1, dtype=torch.int64), *pools)
-            parts.append((logits.argmax(-1), hidden.view(b, n, -1), captured.view(b, n, *captured.shape[1:]),
-                          *(d.view(b, n, *d.shape[1:]) for d in deltas)))
+                parts.append((logits.argmax(-1), hidden.view(b, n, -1), captured.view(b, n, *captured.shape[1:]),
+                              *(d.view(b, n, *d.shape[1:]) for d in deltas)))
     finally:
         target.num_logits = saved
     cols = [torch.cat(c) for c in zip(*parts)]
@@ -252,19 +252,10 @@ def finetune_mtp(target_dir: Path, sequences: tuple[torch.Tensor, torch.Tensor],
                  seed: int, log: Callable[[str], None]) -> dict[str, float]:
     """After the joint run: the MTP layer, reused for K draft steps as method `mtp` runs it, trained further on
     the (now frozen) target's own outputs, and written back into the checkpoint's `model.layers.{L}`."""
-    from safetensors.torch import load_file, save_file
-
-    from export.archs.nextn.weights import adapt_nextn, mtp_prefix
+    from export.train.targets import write_mtp_layer
 
     step = build_step("mtp", target_dir, None, k)
     train, held = (target_features(step.target, s) for s in sequences)
     figures = train_draft("mtp", step, train, held, schedule, seed=seed, log=log, name="deepseek-v3 mtp")
-    config = step.drafter.config
-    prefix = mtp_prefix(config)
-    tensors = load_file(str(target_dir / "model.safetensors"))
-    template = {key: t for key, t in tensors.items() if key.startswith(prefix + ".")}
-    write_back = invert_adapter(lambda source: adapt_nextn(source, config, prefix), template)
-    tensors |= write_back(step.drafter.state_dict())
-    save_file({key: t.contiguous() for key, t in sorted(tensors.items())}, str(target_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    write_mtp_layer(target_dir, step.drafter)
     return {f"mtp_{key}": value for key, value in figures.items()}

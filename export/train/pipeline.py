@@ -7,7 +7,6 @@ resumes), anything else is (re)built into a temporary sibling and renamed into p
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import shutil
 import time
@@ -132,21 +131,8 @@ class DraftSpec:
     target: str                    # family
     k: int
     make: str                      # function of export.train.draft_configs
-    adapter: str                   # "module:function" taking (source, config dict)
+    adapter: Callable[[Any, dict[str, Any]], Any]   # (checkpoint tensors, config.json) -> drafter state
     schedule: Schedule
-
-
-DRAFT_SCHEDULE = Schedule(steps=1500, batch_size=16, seq_len=128, lr=2e-3, anchors=256)
-DRAFTS = (
-    DraftSpec(name="llama3-dflash", method="dflash", target="llama3", k=7, make="dflash",
-              adapter="export.train.pipeline:adapt_dflash", schedule=DRAFT_SCHEDULE),
-    DraftSpec(name="llama3-eagle3", method="eagle3", target="llama3", k=3, make="eagle3_mha",
-              adapter="export.train.pipeline:adapt_eagle3", schedule=DRAFT_SCHEDULE),
-    DraftSpec(name="deepseek-v3-eagle3-mla", method="eagle3", target="deepseek-v3", k=3, make="eagle3_mla",
-              adapter="export.train.pipeline:adapt_eagle3", schedule=DRAFT_SCHEDULE),
-    DraftSpec(name="gemma4-assistant", method="gemma4-mtp", target="gemma4", k=3, make="gemma4_assistant",
-              adapter="export.train.pipeline:adapt_assistant", schedule=DRAFT_SCHEDULE),
-)
 
 
 def adapt_dflash(source: Any, config: dict[str, Any]) -> Any:
@@ -171,36 +157,46 @@ def adapt_assistant(source: Any, config: dict[str, Any]) -> Any:
     return adapt_gemma4_assistant(source, Gemma4AssistantConfig.from_hf(config))
 
 
+DRAFT_SCHEDULE = Schedule(steps=1500, batch_size=16, seq_len=128, lr=2e-3, anchors=256)
+DRAFTS = (
+    DraftSpec(name="llama3-dflash", method="dflash", target="llama3", k=7, make="dflash",
+              adapter=adapt_dflash, schedule=DRAFT_SCHEDULE),
+    DraftSpec(name="llama3-eagle3", method="eagle3", target="llama3", k=3, make="eagle3_mha",
+              adapter=adapt_eagle3, schedule=DRAFT_SCHEDULE),
+    DraftSpec(name="deepseek-v3-eagle3-mla", method="eagle3", target="deepseek-v3", k=3, make="eagle3_mla",
+              adapter=adapt_eagle3, schedule=DRAFT_SCHEDULE),
+    DraftSpec(name="gemma4-assistant", method="gemma4-mtp", target="gemma4", k=3, make="gemma4_assistant",
+              adapter=adapt_assistant, schedule=DRAFT_SCHEDULE),
+)
+
+
 def train_drafts(run: Run, specs: list[DraftSpec]) -> None:
     from export.train import draft_configs, drafts
 
     for spec in specs:
         target_dir = run.out / TARGET_DIRS[spec.target]
         target_config = json.loads((target_dir / "config.json").read_text())
+        config, tensors = getattr(draft_configs, spec.make)(target_config, SEED)
         recipe = {"kind": "draft", "method": spec.method, "k": spec.k, "target": spec.target,
                   "target_hash": json.loads((target_dir / STAMP).read_text())["recipe_hash"],
                   "schedule": spec.schedule.recipe(), "make": spec.make,
-                  "config": getattr(draft_configs, spec.make)(target_config, SEED)[0],
+                  "config": config,
                   "data": [NUM_SEQUENCES, NUM_HELD_SEQUENCES, PROMPT_LEN, SEQUENCE_LEN]}
 
-        def build(tmp: Path, spec: DraftSpec = spec, target_dir: Path = target_dir,
-                  target_config: dict[str, Any] = target_config) -> dict[str, Any]:
-            config, tensors = getattr(draft_configs, spec.make)(target_config, SEED)
+        def build(tmp: Path, spec: DraftSpec = spec, target_dir: Path = target_dir, config: dict[str, Any] = config,
+                  tensors: dict[str, torch.Tensor] = tensors) -> dict[str, Any]:
             draft = drafts.MemoryCheckpoint(config, tensors, tmp)
             step = drafts.build_step(spec.method, target_dir, draft, spec.k)
             train, held = (drafts.target_features(step.target, s) for s in run.sequences(spec.target, target_dir))
             figures = drafts.train_draft(spec.method, step, train, held, spec.schedule, seed=SEED, log=run.log,
                                          name=spec.name)
-            module, function = spec.adapter.split(":")
-            adapt = getattr(importlib.import_module(module), function)
-            drafts.save_draft(step, draft, lambda src: adapt(src, config), tmp)
+            drafts.save_draft(step, draft, lambda source: spec.adapter(source, config), tmp)
             return figures
 
         run.stage(spec.name, recipe, build)
 
 
 def main(out: Path, only: list[str] | None = None) -> None:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     out.mkdir(parents=True, exist_ok=True)
     run = Run(out)
     write_prompts(run.prompts, out / "prompts.jsonl")

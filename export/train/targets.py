@@ -164,17 +164,26 @@ def _append_mtp_layer(model: torch.nn.Module, mtp: torch.nn.Module, out: Path) -
     `num_nextn_predict_layers: 1`), but without its copies of the embedding and head: the layer shares the
     target's (as every runtime, unispec's included, reads it), and the copies would cost 1 MB of the
     bundled models' 30 MB."""
-    from safetensors.torch import load_file, save_file
-
-    from export.archs.nextn.weights import adapt_nextn
-
-    config, prefix = mtp.config, f"model.layers.{mtp.config.num_hidden_layers}"
-    write_back = invert_adapter(lambda src: adapt_nextn(src, config, prefix), mtp.template)
-    layer = write_back({k: v for k, v in mtp.state_dict().items()})
-    tensors = load_file(str(out / "model.safetensors"))
-    tensors |= layer
-    save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    write_mtp_layer(out, mtp, mtp.template)
     cfg = json.loads((out / "config.json").read_text())
     cfg["num_nextn_predict_layers"] = 1
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def write_mtp_layer(out: Path, drafter: torch.nn.Module, template: dict[str, torch.Tensor] | None = None) -> None:
+    """A trained MTP `NextNDrafter` back into `out`/model.safetensors at `model.layers.{L}`, through the inverse
+    of the NextN weight adapter. `template`: that layer's checkpoint tensors (the layout written back into);
+    None takes the ones the file already holds."""
+    from safetensors.torch import load_file, save_file
+
+    from export.archs.nextn.weights import adapt_nextn, mtp_prefix
+
+    config = drafter.config
+    prefix = mtp_prefix(config)
+    tensors = load_file(str(out / "model.safetensors"))
+    if template is None:
+        template = {key: t for key, t in tensors.items() if key.startswith(prefix + ".")}
+    write_back = invert_adapter(lambda source: adapt_nextn(source, config, prefix), template)
+    tensors |= write_back(drafter.state_dict())
+    save_file({key: t.contiguous() for key, t in sorted(tensors.items())}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})

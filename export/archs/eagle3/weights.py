@@ -75,15 +75,18 @@ def layer_rows(config: Eagle3Config) -> list[Row]:
     return norms + attention + mlp_rows("mlp", h, config.intermediate_size)
 
 
+def eagle3_table(config: Eagle3Config, prefix: str) -> list[Row]:
+    """(ours, theirs, shape) of every tensor of a head whose decoder layer sits at `prefix` (LAYER_PREFIXES)."""
+    h = config.hidden_size
+    table = [("fc.weight", "fc.weight", (h, config.fc_in_features)), ("norm.weight", "norm.weight", (h,)),
+             ("lm_head.weight", "lm_head.weight", (config.draft_vocab_size, h))]
+    return table + [(ours, f"{prefix}.{theirs}", shape) for ours, theirs, shape in layer_rows(config)]
+
+
 def adapt_eagle3(source: Mapping[str, torch.Tensor], config: Eagle3Config, *,
                  where: str = "eagle3 checkpoint") -> dict[str, torch.Tensor]:
     """The whole `Eagle3Drafter` state dict except the (shared) embedding."""
-    h = config.hidden_size
-    prefix = layer_prefix(source, where=where)
-    table = [("fc.weight", "fc.weight", (h, config.fc_in_features)), ("norm.weight", "norm.weight", (h,)),
-             ("lm_head.weight", "lm_head.weight", (config.draft_vocab_size, h))]
-    table += [(ours, f"{prefix}.{theirs}", shape) for ours, theirs, shape in layer_rows(config)]
-    state = remap(source, table, where=where)
+    state = remap(source, eagle3_table(config, layer_prefix(source, where=where)), where=where)
     if config.has_vocab_map:
         state[VOCAB_MAP] = _vocab_map(source, config, where)
     return state
