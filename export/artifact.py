@@ -212,7 +212,7 @@ def _pools(inputs: tuple[TensorSpec, ...], step: UnifiedStep) -> tuple[PoolSpec,
 
 def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSettings, sources: dict[str, Any],
               tokenizer: TokenizerInfo, out: Path) -> Manifest:
-    from export.spec import NOISE_CHANNELS
+    from plugins.spec_accept.acceptance import NOISE_CHANNELS
 
     inputs = tensor_specs(graph.input)
     return Manifest(

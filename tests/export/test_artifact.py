@@ -20,7 +20,7 @@ import torch
 from export import artifact
 from export.artifact import export_model, read_artifact
 from export.methods import build_step
-from export.spec import NOISE_CHANNELS
+from plugins.spec_accept.acceptance import NOISE_CHANNELS
 from export.tiny import write_tiny
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ExportError
