@@ -45,7 +45,7 @@ def write_tiny_checkpoints(ckpt: Path) -> None:
     for draft in ("nextn", "eagle3-mha"):
         if not (ckpt / draft / "draft" / "config.json").is_file():
             try:
-                write_tiny(family="deepseek-v3", draft=draft, out_dir=ckpt / draft, seed=0)
+                write_tiny(family="deepseek-v3", method=draft, out_dir=ckpt / draft, seed=0)
             except TypeError:                          # a registry that names the method instead of the draft
                 write_tiny(family="deepseek-v3", method=draft, out_dir=ckpt / draft, seed=0)
 

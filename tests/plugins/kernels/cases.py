@@ -13,13 +13,12 @@ import torch
 
 from export.archs.common import gather_pool
 from export.paged import PagedPools
-from plugins.spec_accept.acceptance import verify
-from plugins.spec_accept.bitmask import apply_bitmask, pack_bitmask
-from plugins.spec_accept.truncation import is_greedy, sample_inverse_cdf, truncated_probs
 from plugins.moe import reference as moe_reference
 from plugins.paged_attention import reference as attention_reference
 from plugins.paged_mla import reference as mla_reference
 from plugins.spec_accept import reference as accept_reference
+from plugins.spec_accept.bitmask import apply_bitmask, pack_bitmask
+from plugins.spec_accept.truncation import is_greedy, sample_inverse_cdf, truncated_probs
 
 ATOL = 1e-5
 RELAXED = dict(relaxed_top_n=10, relaxed_delta=0.6)
