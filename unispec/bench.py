@@ -22,16 +22,24 @@ Tables, JSON and the plot are unispec/bench_report.py's.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from runtime.errors import InvalidRequestError
 from runtime.manifest import Manifest
+from unispec.bench_common import (
+    BenchConfig,
+    Pass,
+    PeerUnavailable,
+    Runner,
+    default_threads,
+    first_line,
+)
+from unispec.bench_peers import machine_info, peer_runners, thread_limits
 
 __all__ = ["BenchConfig", "BenchReport", "Pass", "PeerUnavailable", "Row", "default_threads", "load_prompts",
            "run_bench"]
@@ -40,78 +48,7 @@ REPO_PROMPTS = Path(__file__).resolve().parents[1] / "models" / "prompts.jsonl"
 PROMPTS_NAME = "prompts.jsonl"
 
 
-def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "unispec"
-
-
-@dataclass(frozen=True, kw_only=True)
-class BenchConfig:
-    """What `unispec bench` was asked for (the CLI's options, one to one)."""
-
-    artifact_dir: Path
-    baseline: Path | None = None
-    checkpoint: Path | None = None           # HF checkpoint for the peers; default: the manifest's target_checkpoint
-    batch_sizes: tuple[int, ...] = (1, 4, 16)
-    temperatures: tuple[float, ...] = (0.0, 0.7)
-    repeats: int = 3
-    max_tokens: int = 64
-    threads: int | None = None               # intra-op threads of every engine; None: all cores
-    backend: str = "ort"
-    prompts: Path | None = None
-    chat: bool = False                       # wrap each prompt in the tokenizer's chat template
-    peers: tuple[str, ...] = ("transformers", "ort-genai")
-    cache_dir: Path | None = None            # None: $XDG_CACHE_HOME/unispec or ~/.cache/unispec
-    json_out: Path | None = None
-    plot: Path | None = None
-
-    def __post_init__(self) -> None:
-        if self.threads is None:
-            object.__setattr__(self, "threads", default_threads())
-        if self.cache_dir is None:
-            object.__setattr__(self, "cache_dir", default_cache_dir())
-        for flag, values in (("--batch-sizes", self.batch_sizes), ("--repeats", (self.repeats,)),
-                             ("--max-tokens", (self.max_tokens,)), ("--threads", (self.threads,))):
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-                raise InvalidRequestError(f"{flag} needs integers >= 1, got {','.join(map(str, values)) or '(none)'}")
-        if not self.temperatures or any(t < 0 for t in self.temperatures):
-            raise InvalidRequestError(f"--temperature needs values >= 0 (0 = greedy), got {self.temperatures}")
-        unknown = sorted(set(self.peers) - {"transformers", "ort-genai"})
-        if unknown:
-            raise InvalidRequestError(f"--peers: unknown {unknown}; use transformers, ort-genai or none")
-
-
 # --- figures ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True, kw_only=True)
-class Pass:
-    """One timed pass of one engine over one cell's prompts."""
-
-    wall_s: float
-    tokens: int                              # generated tokens, all rows
-    steps: int | None = None                 # unispec only: engine steps and their split
-    graph_s: float | None = None
-    host_s: float | None = None
-    mean_accepted_length: float | None = None
-    acceptance_per_position: tuple[float, ...] = ()
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    def figures(self) -> dict[str, Any]:
-        """Everything a row reports about the pass (raw figures plus derived per-step times)."""
-        d = {**asdict(self), "tokens_per_s": self.tokens_per_s, "acceptance_per_position":
-             list(self.acceptance_per_position)}
-        if self.steps:
-            d["graph_ms_per_step"] = 1e3 * self.graph_s / self.steps
-            d["host_ms_per_step"] = 1e3 * self.host_s / self.steps
-            d["host_share"] = self.host_s / (self.graph_s + self.host_s)
-        return d
-
 
 @dataclass
 class Row:
@@ -160,18 +97,6 @@ class BenchReport:
 
 # --- engines -----------------------------------------------------------------------------------------------
 
-class PeerUnavailable(Exception):
-    """A peer cannot run here (not installed, wrong architecture, build failure): `str()` says why."""
-
-
-class Runner(Protocol):
-    name: str
-
-    def run(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> Pass: ...
-
-    def close(self) -> None: ...
-
-
 class UnispecRunner:
     """An artifact through the runtime's LLM (one LLM for every cell: the warm-up pays its first-run costs)."""
 
@@ -217,10 +142,6 @@ def measure(runner: Runner, batches: list[list[list[int]]], temperature: float, 
             raise                                # our own engines fail the command (in one line if ours)
         row.why = f"{type(exc).__name__}: {first_line(str(exc))}"   # a peer library's failure: carry on
     return row
-
-
-def first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "(no message)")
 
 
 # --- prompts -------------------------------------------------------------------------------------------------
@@ -296,7 +217,6 @@ def check_baseline(manifest: Manifest, baseline: Manifest, path: Path) -> list[s
 
 def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchReport:
     """Every engine over every (batch size, temperature) cell; `progress` hears what runs next."""
-    from unispec.bench_peers import machine_info, peer_runners, thread_limits
 
     manifest, notes = Manifest.load(config.artifact_dir), []
     if config.baseline is not None:

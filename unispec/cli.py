@@ -324,7 +324,7 @@ def demo(models_dir: Path, cache_dir: Path, max_tokens: int) -> None:
     with the speed-up over target-only decoding."""
     from rich.console import Console
 
-    from export.demo import run_demo
+    from unispec.demo import run_demo
 
     if not run_demo(models_dir, cache_dir, Console(), max_tokens=max_tokens):
         raise click.ClickException("speculative output differs from target-only output: please report this")
