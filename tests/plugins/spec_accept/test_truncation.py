@@ -71,11 +71,31 @@ def test_inverse_cdf_intervals_and_edges() -> None:
     assert int(sample_inverse_cdf(weights, torch.tensor([1.0]))) == 3
 
 
-def test_the_sort_free_branch_equals_the_ranked_one_when_nothing_truncates() -> None:
-    """Steps without top-k / top-p skip the sort (an ONNX If); both branches must give the same floor."""
-    from plugins.spec_accept.truncation import _ranked_floor, _untruncated_floor
+def _full_sort_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The floor as it was computed before the bounded candidate set: one full sort per position."""
+    ranked = torch.sort(probs, dim=-1, descending=True).values
+    kth = ranked.gather(-1, (k - 1)[..., None])
+    in_top_k = torch.where(ranked >= kth, ranked, torch.zeros_like(ranked))
+    cumulative = torch.cumsum(in_top_k, dim=-1)
+    before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
+    budget = top_p.to(torch.float64)[..., None] * cumulative[..., -1:]
+    num_nucleus = (before < budget).sum(dim=-1, keepdim=True).clamp(min=1)
+    nucleus_floor = ranked.gather(-1, num_nucleus - 1)[..., 0]
+    nucleus_floor = torch.where(top_p >= 1.0, torch.zeros_like(nucleus_floor), nucleus_floor)
+    return torch.maximum(kth[..., 0], nucleus_floor)
 
-    probs = torch.softmax(torch.randn(3, 4, 50, dtype=torch.float64), dim=-1)
-    k = torch.full((3, 4), 50)
-    top_p = torch.ones(3, 4)
-    assert torch.equal(_ranked_floor(probs, k, top_p), _untruncated_floor(probs, k, top_p))
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])   # flat (the nucleus outgrows the candidates) to peaked
+def test_the_bounded_candidate_set_gives_the_full_sort_floor(scale: float) -> None:
+    from plugins.spec_accept.truncation import NUCLEUS_CANDIDATES, _ranked_floor
+
+    g = torch.Generator().manual_seed(int(scale * 10))
+    vocab = 4 * NUCLEUS_CANDIDATES
+    logits = (torch.randn(6, 3, vocab, generator=g, dtype=torch.float64) * scale).round(decimals=1)  # ties
+    probs = torch.softmax(logits, dim=-1)
+    for k_max, p in ((vocab, 1.0), (vocab, 0.9), (5, 1.0), (9, 0.5), (vocab, 0.3), (200, 0.99)):
+        k = torch.randint(1, k_max + 1, (6, 3), generator=g).clamp(max=vocab)
+        k[0] = vocab                                                   # rows without top-k beside rows with it
+        top_p = torch.rand(6, 3, generator=g) * (1 - p) + p if p < 1 else torch.ones(6, 3)
+        want = _full_sort_floor(probs, k, top_p)
+        assert torch.equal(_ranked_floor(probs, k, top_p), want)
