@@ -7,7 +7,8 @@ preemption and persistent buffers is the runtime's; this one favours clarity.
 Per step, for every active row:
   prefill row:  tokens = the next prompt chunk, drafts = -1, chunk_next_tokens = the following prompt
                 token when the prompt continues (else -1)
-  decode row:   tokens = [last next_token], drafts = the previous step's next_draft_tokens
+  decode row:   tokens = [last next_token], drafts = the previous step's next_draft_tokens, and their
+                distributions next_draft_probs as draft_probs (rows without: zeros, i.e. argmax drafts)
   commit:       n = len(tokens) + num_accepted rows of each delta segment (merged segment = len(tokens) + K)
   output:       accepted drafts + next_token, unless the prompt continues (then nothing)
 """
@@ -52,6 +53,7 @@ class _Row:
     generated: list[int] = field(default_factory=list)
     next_token: int = -1
     drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None              # [K, V] q of `drafts` when the step samples them
     accepted: list[int] = field(default_factory=list)   # num_accepted per decode step
 
 
@@ -141,12 +143,19 @@ def _one_step(run_step: RunStep, geo: StepGeometry, pools: PagedPools, rows: lis
         io.IN_THINKING_PHASE: torch.tensor([r.request.thinking for r in rows], dtype=torch.bool),
         **pools.pools,
     }
+    probs = [r.draft_probs if r.prefilled >= len(r.request.prompt) and r.request.injected_drafts is None else None
+             for r in rows]
+    known = [p for p in probs if p is not None]
+    if known:                                  # else the step's own default: zeros (argmax drafts)
+        feeds[io.DRAFT_PROBS] = torch.stack([torch.zeros_like(known[0]) if p is None else p for p in probs])
     out = run_step(feeds)
     num_accepted = out[io.NUM_ACCEPTED].tolist()
     deltas = {name: out[io.DELTA_OF_POOL[name]] for name in geo.pools}
     pools.commit(ids, deltas, *io.delta_segments(feeds[io.ROW_OFFSETS].numpy(), out[io.NUM_ACCEPTED].numpy(), k))
     next_tokens, next_drafts = out[io.NEXT_TOKENS].tolist(), out[io.NEXT_DRAFT_TOKENS].tolist()
-    for r, (tokens, drafts, following), a, nxt, nd in zip(rows, inputs, num_accepted, next_tokens, next_drafts):
+    next_probs = out.get(io.NEXT_DRAFT_PROBS)                                     # [B, K, V] or None
+    for i, (r, (tokens, drafts, following), a, nxt, nd) in enumerate(
+            zip(rows, inputs, num_accepted, next_tokens, next_drafts)):
         if r.prefilled < len(r.request.prompt):
             r.prefilled += len(tokens)
             if following >= 0:
@@ -155,3 +164,4 @@ def _one_step(run_step: RunStep, geo: StepGeometry, pools: PagedPools, rows: lis
             r.accepted.append(a)
         r.generated.extend(drafts[:a] + [nxt])
         r.next_token, r.drafts = nxt, nd
+        r.draft_probs = None if next_probs is None else torch.as_tensor(next_probs[i]).clone()

@@ -51,6 +51,8 @@ def example_feeds(step: UnifiedStep, *, lengths: Sequence[int] = (2, 3, 4), cach
     feeds[io.IN_THINKING_PHASE][-1] = True
     for name, (layers, width) in step.pool_shapes().items():
         feeds[name] = torch.randn(num_blocks, layers, block_size, width, generator=g) * 0.5
+    if io.DRAFT_PROBS in step.input_names:                           # q of the drafts: some sampled rows
+        feeds[io.DRAFT_PROBS] = torch.softmax(torch.randn(batch, k, vocab, generator=g), dim=-1)
     if step.structured_output:
         words = -(-vocab // 32)
         feeds[io.TOKEN_BITMASK] = torch.full((batch, k + 1, words), -1, dtype=torch.int32)
@@ -63,7 +65,7 @@ def dynamic_shapes(names: Sequence[str]) -> tuple[tuple[dict[int, object], ...]]
     tokens, batch = dim("num_tokens", min=2), dim("batch", min=2)
     max_blocks, num_blocks = dim("max_blocks", min=1), dim("num_blocks", min=2)
     per_batch = {io.CACHE_LENGTHS, io.CHUNK_NEXT_TOKENS, io.TEMPERATURE, io.TOP_K, io.TOP_P, io.MIN_P,
-                 io.IN_THINKING_PHASE, io.DRAFT_TOKENS, io.NOISE, io.TOKEN_BITMASK}
+                 io.IN_THINKING_PHASE, io.DRAFT_TOKENS, io.NOISE, io.TOKEN_BITMASK, io.DRAFT_PROBS}
     shapes: list[dict[int, object]] = []
     for name in names:
         if name in (io.TOKENS, io.POSITIONS):

@@ -7,6 +7,7 @@ buffers (DESIGN.md §3, §7). Per step, for every scheduled row (runtime/sequenc
   prefill / recompute row:  tokens = the next chunk, drafts = -1, chunk_next_tokens = the token after
                             the chunk when there is one the step does not generate from (else -1)
   decode row:               tokens = [last generated token], drafts = the previous step's next_draft_tokens
+                            (and draft_probs = its next_draft_probs, the q they were sampled from)
   commit:                   n = len(tokens) + num_accepted rows of the row's delta segment (len(tokens) + K
                             rows) go to positions cache_len .. cache_len + n - 1
   generated:                the accepted drafts, then next_token (only on steps that generate)
@@ -197,8 +198,19 @@ class Engine:
             f[io.POSITIONS][start:start + n] = self._positions[c:c + n]
             f[io.BLOCK_TABLE][i, :len(table)] = table
             f[io.DRAFT_TOKENS][i] = seq.drafts if seq.is_decode and seq.drafts is not None else -1
+        if io.DRAFT_PROBS in self._input_names:
+            self._draft_probs(f, plan)
         self._per_row_inputs(f, plan)
         return {name: value for name, value in f.items() if name in self._input_names}
+
+    def _draft_probs(self, f: dict[str, np.ndarray], plan: Plan) -> None:
+        """draft_probs [B, K, V]: each decode row's q from its previous step; zeros (argmax drafts) elsewhere."""
+        probs = f[io.DRAFT_PROBS] = self.buffers.view(io.DRAFT_PROBS, (len(plan), self.k, self.manifest.vocab_size))
+        for i, seq in enumerate(plan):
+            if seq.is_decode and seq.draft_probs is not None:
+                probs[i] = seq.draft_probs
+            else:
+                probs[i] = 0.0
 
     def _per_row_inputs(self, f: dict[str, np.ndarray], plan: Plan) -> None:
         view, batch, m = self.buffers.view, len(plan), self.manifest
@@ -237,6 +249,7 @@ class Engine:
         accepted = outputs[io.NUM_ACCEPTED].tolist()
         next_tokens = outputs[io.NEXT_TOKENS].tolist()
         next_drafts = outputs[io.NEXT_DRAFT_TOKENS]                                      # [B, K]
+        next_probs = outputs.get(io.NEXT_DRAFT_PROBS)                                    # [B, K, V] or None
         finished = []
         for i, (seq, n) in enumerate(plan.items()):
             seq.num_steps += 1
@@ -249,6 +262,7 @@ class Engine:
                 seq.accepted.append(accepted[i])
                 new = [*seq.drafts[:accepted[i]].tolist(), next_tokens[i]]
             seq.drafts = next_drafts[i].copy()
+            seq.draft_probs = None if next_probs is None else next_probs[i].copy()
             added = self._append(seq, new)
             if seq.finish_reason is not None:
                 finished.append(self._finish(seq, added))

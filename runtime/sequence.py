@@ -105,6 +105,7 @@ class SequenceState:
     generated: list[int] = field(default_factory=list)
     cache_len: int = 0                           # tokens committed to the pools
     drafts: np.ndarray | None = None             # [K] drafts to verify next decode step
+    draft_probs: np.ndarray | None = None        # [K, V] the q they were sampled from (artifacts with draft_probs)
     thinking: bool = False                       # between think start and end (only with think_ids)
     accepted: list[int] = field(default_factory=list)
     num_steps: int = 0

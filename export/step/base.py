@@ -18,6 +18,8 @@ LEADING_INPUTS = (io.TOKENS, io.ROW_OFFSETS, io.POSITIONS, io.CACHE_LENGTHS, io.
 SAMPLING_INPUTS = (io.CHUNK_NEXT_TOKENS, io.TEMPERATURE, io.TOP_K, io.TOP_P, io.MIN_P, io.NOISE,
                    io.IN_THINKING_PHASE)
 LEADING_OUTPUTS = (io.NUM_ACCEPTED, io.NEXT_TOKENS, io.NEXT_DRAFT_TOKENS)
+# Steps with drafts (K >= 1) also carry the distributions the drafts were sampled from, step to step.
+DRAFT_PROBS_INPUTS, DRAFT_PROBS_OUTPUTS = (io.DRAFT_PROBS,), (io.NEXT_DRAFT_PROBS,)
 
 
 def target_pools(target: nn.Module) -> tuple[str, ...]:
@@ -37,12 +39,17 @@ class UnifiedStep(nn.Module):
     @property
     def input_names(self) -> tuple[str, ...]:
         bitmask = (io.TOKEN_BITMASK,) if self.structured_output else ()
-        return LEADING_INPUTS + self.target_pool_names + self.draft_pool_names + SAMPLING_INPUTS + bitmask
+        probs = DRAFT_PROBS_INPUTS if self.k else ()
+        return LEADING_INPUTS + self.target_pool_names + self.draft_pool_names + SAMPLING_INPUTS + probs + bitmask
 
     @property
     def output_names(self) -> tuple[str, ...]:
         deltas = tuple(io.DELTA_OF_POOL[p] for p in self.target_pool_names + self.draft_pool_names)
-        return LEADING_OUTPUTS + deltas
+        return LEADING_OUTPUTS + (DRAFT_PROBS_OUTPUTS if self.k else ()) + deltas
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.target.embed_tokens.num_embeddings)
 
     def pool_shapes(self) -> dict[str, tuple[int, int]]:
         """(layers, width) of every pool input, target pools first."""
@@ -59,7 +66,11 @@ class UnifiedStep(nn.Module):
         raise NotImplementedError
 
     def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Named feeds -> named outputs (the reference loop's `RunStep`)."""
+        """Named feeds -> named outputs (the reference loop's `RunStep`); a missing `draft_probs` is zeros
+        (argmax drafts: what a loop without sampled drafts, or rows without drafts, have)."""
+        if io.DRAFT_PROBS in self.input_names and io.DRAFT_PROBS not in feeds:
+            batch = feeds[io.DRAFT_TOKENS].shape[0]
+            feeds = {**feeds, io.DRAFT_PROBS: torch.zeros(batch, self.k, self.vocab_size)}
         with torch.no_grad():
             outputs: Sequence[torch.Tensor] = self(*[feeds[name] for name in self.input_names])
         return dict(zip(self.output_names, outputs, strict=True))

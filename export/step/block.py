@@ -5,8 +5,8 @@ DESIGN.md §3 steps 1–4 are SequentialStep's (merge, target, verify); steps 5�
 ```
 captured [M, C, H] ── drafter.materialize ──▶ rows [M, Ld, Wd] ─────────────────────▶ draft_kv_delta
 draft_kv_pool ── open_cache (one Gather) ──▶ past [Ld, B, P, Wd] ── scatter rows ──▶ working cache
-next_tokens (chunk_next_tokens where the prompt continues) ── drafter.draft_block(cache valid < committed)
-                                                              ──▶ next_draft_tokens [B, block_size - 1]
+next_tokens (chunk_next_tokens where the prompt continues) ── drafter.block_hidden(cache valid < committed)
+   ── spec.propose (argmax, or sampled per position) ──▶ next_draft_tokens [B, block_size - 1], next_draft_probs
 ```
 
 There is no shift: the context K/V of position j comes from the target's features AT j (not j-1), so
@@ -47,8 +47,14 @@ class BlockDrafter(Protocol):
     def extend_cache(self, cache: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
                      row_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
-    def draft_block(self, first_tokens: torch.Tensor, committed: torch.Tensor,
-                    cache: tuple[torch.Tensor, ...]) -> torch.Tensor: ...
+    def block_hidden(self, first_tokens: torch.Tensor, committed: torch.Tensor,
+                     cache: tuple[torch.Tensor, ...]) -> torch.Tensor: ...
+
+    def logits(self, head_in: torch.Tensor) -> torch.Tensor: ...
+
+    def target_ids(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def target_vocab_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor: ...
 
 
 class BlockStep(UnifiedStep):
@@ -81,8 +87,9 @@ class BlockStep(UnifiedStep):
         # A row whose prompt continues anchors its block on the next prompt token, as the shift does.
         chunk_next = f[io.CHUNK_NEXT_TOKENS]
         first = torch.where(chunk_next >= 0, chunk_next, verdict.next_tokens)          # [B]
-        drafts = drafter.draft_block(first, committed, cache)                          # [B, K]
-        return (verdict.num_accepted, verdict.next_tokens, drafts, *target_deltas, *draft_rows)
+        hidden = drafter.block_hidden(first, committed, cache)                         # [B, K, H]
+        drafts, probs = spec.propose(drafter, hidden, f, 0, self.vocab_size)           # [B, K], [B, K, V]
+        return (verdict.num_accepted, verdict.next_tokens, drafts, probs, *target_deltas, *draft_rows)
 
 
 __all__ = ["BlockDrafter", "BlockStep"]

@@ -56,15 +56,21 @@ class SequentialDrafter(Protocol):
 
 
 class Drafter(nn.Module):
-    """Base of every sequential drafter: argmax proposals in the target's vocabulary by default."""
+    """Base of every drafter: logits in its own vocabulary, which is the target's unless a drafter maps it."""
 
     pool_names: tuple[str, ...] = ()
 
-    def logits(self, head_in: torch.Tensor) -> torch.Tensor:          # [N, Hd] -> [N, V]
+    def logits(self, head_in: torch.Tensor) -> torch.Tensor:          # [N, Hd] -> [N, Vd] float32
         raise NotImplementedError
 
-    def propose(self, head_in: torch.Tensor) -> torch.Tensor:         # [N, Hd] -> [N] target token ids
-        return self.logits(head_in).argmax(-1)
+    def target_ids(self, ids: torch.Tensor) -> torch.Tensor:          # [...] draft ids -> target ids
+        return ids
+
+    def target_vocab_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [..., Vd] -> [..., V]
+        return logits
+
+    def propose(self, head_in: torch.Tensor) -> torch.Tensor:         # [N, Hd] -> [N] argmax target ids
+        return self.target_ids(self.logits(head_in).argmax(-1))
 
 
 class PagedDrafter(Drafter):
@@ -112,16 +118,16 @@ class SequentialStep(UnifiedStep):
         carry, head_in, draft_rows = drafter(batch, cache)
         cache = drafter.extend_cache(cache, draft_rows, rows_m, m.positions)
         carry, head_in = carry[last], head_in[last]                                     # [B, F], [B, Hd]
-        drafts = [drafter.propose(head_in)]                                             # [B]
+        drafts = [spec.propose(drafter, head_in[:, None], f, 0, self.vocab_size)]        # ([B, 1], [B, 1, V])
         one_each = torch.arange(last.shape[0] + 1, device=last.device)                  # [B+1]
         for s in range(1, k):
             position = committed + (s - 1)                                              # [B]
-            batch = DraftBatch(drafts[-1], carry, position, one_each, position, committed)
+            batch = DraftBatch(drafts[-1][0][:, 0], carry, position, one_each, position, committed)
             carry, head_in, rows = drafter(batch, cache)
             cache = drafter.extend_cache(cache, rows, one_each[:-1], position)
-            drafts.append(drafter.propose(head_in))
-        return (verdict.num_accepted, verdict.next_tokens, torch.stack(drafts, dim=1),
-                *target_deltas, *draft_rows)
+            drafts.append(spec.propose(drafter, head_in[:, None], f, s, self.vocab_size))
+        tokens, probs = (torch.cat(parts, dim=1) for parts in zip(*drafts))            # [B, K], [B, K, V]
+        return (verdict.num_accepted, verdict.next_tokens, tokens, probs, *target_deltas, *draft_rows)
 
 
 class TargetOnlyStep(UnifiedStep):

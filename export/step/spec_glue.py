@@ -9,10 +9,12 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
 from plugins.spec_accept import acceptance, ragged
 from plugins.spec_accept.bitmask import num_bitmask_words
 from plugins.spec_accept.op import spec_accept
+from plugins.spec_accept.truncation import is_greedy
 from runtime import manifest as io
 
 NOISE_CHANNELS = acceptance.NOISE_CHANNELS    # uniforms per verified position in the `noise` input
@@ -40,15 +42,47 @@ def merge(tokens: torch.Tensor, row_offsets: torch.Tensor, positions: torch.Tens
 def verify(logits: torch.Tensor, f: Mapping[str, torch.Tensor], *, structured: bool) -> Verdict:
     """logits [B, K+1, V] of the verified positions -> accepted count and next token per row.
 
-    The SpecAccept node always gets a bitmask: TensorRT plugins (tensorrt.plugin) take no optional
-    inputs, so an artifact without structured output passes an in-graph all-allowed mask.
+    The SpecAccept node always gets a bitmask and draft distributions: TensorRT plugins (tensorrt.plugin)
+    take no optional inputs, so an artifact without structured output passes an in-graph all-allowed
+    mask, and a K = 0 step an empty [B, 0, V] q.
     """
     bitmask = f[io.TOKEN_BITMASK] if structured else allow_all(logits)
+    num_drafts = f[io.DRAFT_TOKENS].shape[1]
+    draft_probs = f[io.DRAFT_PROBS] if num_drafts else logits.new_zeros(logits.shape[0], 0, logits.shape[2])
     num_accepted, next_tokens = spec_accept(
         logits, f[io.DRAFT_TOKENS], f[io.TEMPERATURE], f[io.TOP_K], f[io.TOP_P], f[io.MIN_P], f[io.NOISE],
-        f[io.IN_THINKING_PHASE], bitmask,
-        num_drafts=f[io.DRAFT_TOKENS].shape[1], relaxed_top_n=acceptance.RELAXED_TOP_N, relaxed_delta=acceptance.RELAXED_DELTA)
+        f[io.IN_THINKING_PHASE], bitmask, draft_probs.float(),
+        num_drafts=num_drafts, relaxed_top_n=acceptance.RELAXED_TOP_N, relaxed_delta=acceptance.RELAXED_DELTA)
     return Verdict(num_accepted, next_tokens)
+
+
+def propose(drafter: nn.Module, head_in: torch.Tensor, f: Mapping[str, torch.Tensor], first: int,
+            vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts of P positions per row and the distributions they were drawn from.
+
+    head_in [B, P, Hd] -> (tokens [B, P] int64, q [B, P, V] float32). Greedy rows keep the drafter's
+    argmax; sampled rows draw from the request's truncation of the drafter's distribution with
+    noise[:, first + j, NOISE_DRAFT] at position j (acceptance.sample_draft), so the next step verifies
+    them by rejection sampling. An all-greedy step skips the sampling (an ONNX If, never nested).
+    """
+    batch, num_positions = head_in.shape[:2]
+    logits = drafter.logits(head_in.flatten(0, 1)).unflatten(0, (batch, num_positions))   # [B, P, Vd]
+    argmax = drafter.target_ids(logits.argmax(dim=-1))                                      # [B, P]
+    logits = drafter.target_vocab_logits(logits, vocab_size)                                # [B, P, V]
+    greedy = is_greedy(f[io.TEMPERATURE])[:, None]                                          # [B, 1]
+    params = [f[name][:, None].expand(-1, num_positions) for name in (io.TEMPERATURE, io.TOP_K, io.TOP_P, io.MIN_P)]
+    uniform = f[io.NOISE][:, first:first + num_positions, acceptance.NOISE_DRAFT]           # [B, P]
+
+    def some_sampled(logits: torch.Tensor, argmax: torch.Tensor, uniform: torch.Tensor,
+                     *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, q = acceptance.sample_draft(logits, *params, uniform)
+        return torch.where(greedy, argmax, tokens), q
+
+    def all_greedy(logits: torch.Tensor, argmax: torch.Tensor, uniform: torch.Tensor,
+                   *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return argmax.clone(), torch.zeros_like(logits)                                     # zeros: deterministic
+
+    return torch.cond((~greedy).any(), some_sampled, all_greedy, (logits, argmax, uniform, *params))
 
 
 def allow_all(logits: torch.Tensor) -> torch.Tensor:

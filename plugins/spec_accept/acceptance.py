@@ -180,6 +180,7 @@ def rejection_verdict(
     q = draft_probs.to(PROB_DTYPE)                                                # [B, K, V]
     q_of_draft = q.gather(-1, drafts[..., None])                                  # [B, K, 1]
     q = torch.where(q_of_draft > 0, q, onehot)
+    q = q / q.sum(dim=-1, keepdim=True)        # q arrives rounded to float32: sampled as is, renormalized here
     p_d = target.gather(-1, drafts[..., None])[..., 0]                            # [B, K]
     q_d = q.gather(-1, drafts[..., None])[..., 0]                                 # [B, K]
     accepted = coin.to(PROB_DTYPE) * q_d < p_d
@@ -211,24 +212,27 @@ def relaxed_verdict(
 
 
 def sample_draft(
-    logits: torch.Tensor,       # [B, V] draft logits of one draft step
-    temperature: torch.Tensor,  # [B]
-    top_k: torch.Tensor,        # [B]
-    top_p: torch.Tensor,        # [B]
-    min_p: torch.Tensor,        # [B]
-    uniform: torch.Tensor,      # [B], noise[:, step, NOISE_DRAFT]
+    logits: torch.Tensor,       # [..., V] draft logits in the target's vocabulary
+    temperature: torch.Tensor,  # [...]
+    top_k: torch.Tensor,        # [...]
+    top_p: torch.Tensor,        # [...]
+    min_p: torch.Tensor,        # [...]
+    uniform: torch.Tensor,      # [...], noise[:, step, NOISE_DRAFT]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sampled draft and the distribution it came from: (tokens [B] int64, q [B, V] float32).
+    """A sampled draft and the distribution it came from: (tokens [...] int64, q [..., V] float32).
 
-    Same truncation as the target; greedy rows take the argmax and report q = onehot(argmax), so
-    `rejection_verdict` treats them as the deterministic drafts they are.
+    q is the request's own truncation (temperature -> top-k -> top-p -> min-p) of the draft logits: the
+    target is verified under the same filters, so a q that already leaves out what p~ will leave out wastes
+    no draft on a token that is always rejected. The token is drawn from q *as carried* (rounded to
+    float32; the verdict renormalizes it), so the verdict sees exactly the distribution it came from.
+    Greedy rows take the argmax and report q = onehot(argmax), so `rejection_verdict` treats them as the
+    deterministic drafts they are.
     """
-    probs = truncated_probs(logits, temperature, top_k, top_p, min_p)              # [B, V]
-    sampled = sample_inverse_cdf(probs, uniform)                                   # [B]
-    argmax = logits.argmax(dim=-1)                                                 # [B]
-    greedy = is_greedy(temperature)                                                # [B]
-    tokens = torch.where(greedy, argmax, sampled)
+    probs = truncated_probs(logits, temperature, top_k, top_p, min_p)              # [..., V] float64
+    argmax = logits.argmax(dim=-1)                                                 # [...]
+    greedy = is_greedy(temperature)                                                # [...]
     vocab_ids = torch.arange(logits.shape[-1], device=logits.device)              # [V]
-    onehot = (vocab_ids == argmax[:, None]).to(probs.dtype)                       # [B, V]
-    q = torch.where(greedy[:, None], onehot, probs)
-    return tokens, q.to(torch.float32)
+    onehot = (vocab_ids == argmax[..., None]).to(probs.dtype)                     # [..., V]
+    q = torch.where(greedy[..., None], onehot, probs).to(torch.float32)           # [..., V]
+    sampled = sample_inverse_cdf(q.to(PROB_DTYPE), uniform)                        # [...]
+    return torch.where(greedy, argmax, sampled), q

@@ -1,7 +1,8 @@
 """SpecAccept in ONNX: the translation to one two-output `unispec::SpecAccept` node, and its plugin spec.
 
-The grammar bitmask is declared optional (the op's schema and a bare node may omit it, with its own
-overload of the reference function), but the step graphs always pass one (reference.py says why).
+The grammar bitmask and the draft distributions are declared optional (the op's schema and a bare node
+may omit them, each combination with its own overload of the reference function), but the step graphs
+always pass both (reference.py says why).
 """
 
 # No `from __future__ import annotations`: onnxscript reads the translation's annotations as objects.
@@ -19,6 +20,7 @@ from plugins.spec_accept import op, reference  # noqa: F401  (op registers the c
 def spec_accept_onnx(logits: TFloat, draft_tokens: INT64, temperature: FLOAT, top_k: INT64, top_p: FLOAT,
                      min_p: FLOAT, noise: FLOAT, in_thinking_phase: BOOL,
                      token_bitmask: Optional[INT32] = None,  # noqa: UP045
+                     draft_probs: Optional[FLOAT] = None,  # noqa: UP045
                      num_drafts: int = 0, relaxed_top_n: int = 0,
                      relaxed_delta: float = 0.0) -> tuple[INT64, INT64]:
     # The op's attributes have no defaults, so torch.export always passes them; these (relaxed off) are
@@ -26,14 +28,14 @@ def spec_accept_onnx(logits: TFloat, draft_tokens: INT64, temperature: FLOAT, to
     # (`_outputs=2` would become a node attribute in a script function).
     num_accepted, next_tokens = unispec.SpecAccept(
         logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase, token_bitmask,
-        num_drafts=num_drafts, relaxed_top_n=relaxed_top_n, relaxed_delta=relaxed_delta, plugin_namespace=DOMAIN,
+        draft_probs, num_drafts=num_drafts, relaxed_top_n=relaxed_top_n, relaxed_delta=relaxed_delta, plugin_namespace=DOMAIN,
         plugin_version=PLUGIN_VERSION)
     return num_accepted, next_tokens
 
 
 def example_inputs(attributes: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
     """2 rows, the node's K drafts, a 230-token vocabulary (8 bitmask words), 3 noise channels; mixed
-    parameters. K is the node's own (static) `num_drafts`: ONNX Runtime mishandles some ops on the empty
+    parameters; draft distributions q of the drafts. K is the node's own (static) `num_drafts`: ONNX Runtime mishandles some ops on the empty
     axes of a K = 0 graph traced at another K, so each K gets a function traced at that K."""
     g = torch.Generator().manual_seed(0)
     batch, k, vocab, channels = 2, int(attributes["num_drafts"]), 230, 3
@@ -42,7 +44,8 @@ def example_inputs(attributes: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
     drafts[0, k // 2:] = -1
     return (logits, drafts, torch.tensor([0.0, 0.8]), torch.tensor([0, 20]), torch.tensor([1.0, 0.9]),
             torch.tensor([0.0, 0.05]), torch.rand(batch, k + 1, channels, generator=g), torch.tensor([False, True]),
-            torch.full((batch, k + 1, -(-vocab // 32)), -1, dtype=torch.int32))
+            torch.full((batch, k + 1, -(-vocab // 32)), -1, dtype=torch.int32),
+            torch.softmax(torch.randn(batch, k, vocab, generator=g), dim=-1))
 
 
 SPEC = PluginSpec(
@@ -55,10 +58,12 @@ SPEC = PluginSpec(
             Port(name="top_p", type="tensor(float)", rank=1), Port(name="min_p", type="tensor(float)", rank=1),
             Port(name="noise", type="tensor(float)", rank=3),
             Port(name="in_thinking_phase", type="tensor(bool)", rank=1),
-            Port(name="token_bitmask", type="tensor(int32)", rank=3, optional=True)),
+            Port(name="token_bitmask", type="tensor(int32)", rank=3, optional=True),
+            Port(name="draft_probs", type="tensor(float)", rank=3, optional=True)),
     outputs=(Port(name="num_accepted", type="tensor(int64)", rank=1),
              Port(name="next_tokens", type="tensor(int64)", rank=1)),
     type_constraints={"T": FLOAT_TYPES},
     example_inputs=example_inputs,
-    doc="Speculative verdict per row: truncation, greedy / sample-and-match / relaxed acceptance, grammar bitmask.",
+    doc="Speculative verdict per row: truncation, greedy / sample-and-match / rejection (with draft_probs) / "
+        "relaxed acceptance, grammar bitmask.",
 )

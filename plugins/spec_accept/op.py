@@ -18,6 +18,7 @@ def spec_accept(
     noise: torch.Tensor,              # [B, K+1, C]
     in_thinking_phase: torch.Tensor,  # [B] bool
     token_bitmask: Optional[torch.Tensor] = None,  # [B, K+1, W] int32  # noqa: UP045 (custom_op parses it)
+    draft_probs: Optional[torch.Tensor] = None,    # [B, K, V] float32  # noqa: UP045
     *,
     num_drafts: int,
     relaxed_top_n: int,
@@ -26,12 +27,13 @@ def spec_accept(
     if draft_tokens.shape[1] != num_drafts:   # here, not in the reference: tracing it must not pin K
         raise ValueError(f"SpecAccept: num_drafts={num_drafts} but draft_tokens has {draft_tokens.shape[1]} columns")
     return reference.spec_accept(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase,
-                                 token_bitmask, num_drafts=num_drafts, relaxed_top_n=relaxed_top_n,
+                                 token_bitmask, draft_probs, num_drafts=num_drafts, relaxed_top_n=relaxed_top_n,
                                  relaxed_delta=relaxed_delta)
 
 
 @spec_accept.register_fake
-def _(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase, token_bitmask=None, *,
+def _(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase, token_bitmask=None,
+      draft_probs=None, *,
       num_drafts, relaxed_top_n, relaxed_delta):
     batch = logits.shape[0]
     return logits.new_empty(batch, dtype=torch.int64), logits.new_empty(batch, dtype=torch.int64)

@@ -13,6 +13,10 @@ Facts the op's users rely on:
   (ONNX Runtime mishandles some ops on the empty axes of a K = 0 graph traced at another K).
 - The bitmask is always present in exported graphs: a graph without structured output feeds an in-graph
   all-allowed mask (TensorRT plugins take no optional inputs); a mask that allows nothing is ignored.
+- `draft_probs` (the q each draft was sampled from) is present in every exported step graph: graphs with
+  drafts feed the previous step's `next_draft_probs` (rejection sampling, min(1, p/q)); K = 0 graphs an
+  in-graph empty [B, 0, V]. Without it (a bare node, artifacts exported before sampled drafts) the
+  verdict is sample-and-match, which is lossless for any drafts.
 - The host advances a request's noise stream only on steps that produce its tokens (runtime/noise.py),
   so a seeded request gives the same tokens whatever else shares its batches.
 """
@@ -34,10 +38,11 @@ def spec_accept(
     noise: torch.Tensor,              # [B, K+1, C] float32 uniforms in [0, 1)
     in_thinking_phase: torch.Tensor,  # [B] bool
     token_bitmask: torch.Tensor | None = None,  # [B, K+1, ceil(V/32)] int32
+    draft_probs: torch.Tensor | None = None,    # [B, K, V] float32 q of sampled drafts; None: argmax drafts
     *,
     num_drafts: int,                  # K, static per artifact: the node's function is traced at this K
     relaxed_top_n: int,
     relaxed_delta: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, next_tokens [B] int64
     return verify(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase, token_bitmask,
-                  relaxed_top_n=relaxed_top_n, relaxed_delta=relaxed_delta)
+                  draft_probs, relaxed_top_n=relaxed_top_n, relaxed_delta=relaxed_delta)

@@ -29,12 +29,16 @@ def make_manifest(*, k: int = 3, block_size: int = 4, max_model_len: int = 128, 
                TensorSpec(name=io.MIN_P, dtype="float32", shape=("batch",)),
                TensorSpec(name=io.NOISE, dtype="float32", shape=("batch", k + 1, 3)),
                TensorSpec(name=io.IN_THINKING_PHASE, dtype="bool", shape=("batch",))]
+    if k:
+        inputs.append(TensorSpec(name=io.DRAFT_PROBS, dtype="float32", shape=("batch", k, vocab_size)))
     if bitmask:
         inputs.append(TensorSpec(name=io.TOKEN_BITMASK, dtype="int32", shape=("batch", k + 1, -(-vocab_size // 32))))
     merged = f"{k}*batch + num_tokens" if k else "num_tokens"
     outputs = [TensorSpec(name=io.NUM_ACCEPTED, dtype="int64", shape=("batch",)),
                TensorSpec(name=io.NEXT_TOKENS, dtype="int64", shape=("batch",)),
                TensorSpec(name=io.NEXT_DRAFT_TOKENS, dtype="int64", shape=tuple(batch_k))]
+    if k:
+        outputs.append(TensorSpec(name=io.NEXT_DRAFT_PROBS, dtype="float32", shape=("batch", k, vocab_size)))
     outputs += [TensorSpec(name=io.DELTA_OF_POOL[name], dtype="float32", shape=(merged, layers, width))
                 for name, (layers, width) in pools.items()]
     return Manifest(

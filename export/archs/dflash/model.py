@@ -6,7 +6,7 @@ ctx ── per draft layer: k_norm(k_proj) + RoPE(merged positions), v_proj ─�
 
 [first, mask × (bs-1)] ── target embedding × input_embedding_scale ──▶ x [B*bs, H]
 x ── layer 0 … Ld-1 (q = q_norm(q_proj), keys = committed context + the block itself, non-causal)
-  ── norm ── drop the anchor ──▶ [B, bs-1, H] ── target lm_head ── argmax ──▶ drafts [B, bs-1]
+  ── norm ── drop the anchor ──▶ [B, bs-1, H] ── target lm_head ── argmax (or sampled) ──▶ drafts [B, bs-1]
 ```
 
 Each draft layer's context K/V are projections of the SAME fused target feature (not of the previous
@@ -154,12 +154,6 @@ class DFlashDrafter(PagedDrafter):
         if cfg.final_logit_softcapping:
             logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
         return logits
-
-    def draft_block(self, first_tokens: torch.Tensor, committed: torch.Tensor,
-                    cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Argmax drafts [B, bs-1] of one non-causal block forward."""
-        hidden = self.block_hidden(first_tokens, committed, cache)                          # [B, K, H]
-        return self.propose(hidden.flatten(0, 1)).reshape(hidden.shape[0], hidden.shape[1])
 
 
 def _window(config: DFlashConfig, layer: int) -> int:

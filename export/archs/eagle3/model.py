@@ -5,7 +5,7 @@ captured [N, 3, H_t] ── flatten ── fc ──▶ h [N, H]      (step 0: t
 token ── embed (the target's) ── input_layernorm ──┐
 h ─────────────────────────────── hidden_norm ─────┴─ concat ──▶ x [N, 2H]
 x ── attention (GQA + RoPE, or MLA) ──▶ + h ──▶ post_attention_layernorm ── MLP ──▶ + ──▶ h' [N, H] (carry)
-h' ── norm ── lm_head ──▶ logits [N, Vd] ── argmax ── + d2t[id] (pruned vocabularies) ──▶ target token id
+h' ── norm ── lm_head ──▶ logits [N, Vd] ── argmax (or sampled) ── + d2t[id] (pruned vocabularies) ──▶ target id
 attention ◀── draft_kv_pool [NB, 1, bs, Wd] (one layer of its own) ──▶ new K|V (or latent) rows
 ```
 The residual of the attention is the un-normed h, not x (EAGLE's `LlamaDecoderLayeremb`, MAX's
@@ -139,10 +139,17 @@ class Eagle3Drafter(PagedDrafter):
         """head_in [N, H] (pre-norm h') -> logits [N, Vd] float32 in the DRAFT vocabulary."""
         return self.lm_head(self.norm(head_in)).float()
 
-    def propose(self, head_in: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N] target token ids (draft ids shifted by d2t when the vocabulary is pruned)."""
-        ids = self.logits(head_in).argmax(-1)                                           # [N]
+    def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """[...] draft ids -> target token ids (shifted by d2t when the vocabulary is pruned)."""
         return ids + getattr(self, VOCAB_MAP)[ids] if self.config.has_vocab_map else ids
+
+    def target_vocab_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """[..., Vd] -> [..., V]: a pruned head's logits at their target ids, -inf (never drafted) elsewhere."""
+        if not self.config.has_vocab_map:
+            return logits
+        ids = self.target_ids(torch.arange(logits.shape[-1], device=logits.device)).expand_as(logits)
+        full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+        return full.scatter(-1, ids, logits)
 
 
 def head_kind(draft_config: Mapping[str, object]) -> str:

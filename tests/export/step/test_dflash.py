@@ -222,7 +222,7 @@ def test_non_causal_window_smaller_than_block_is_refused(dirs, tmp_path) -> None
 
 def test_io_contract_and_shared_embedding_and_head(steps) -> None:
     spec = steps[3]
-    assert spec.output_names == ("num_accepted", "next_tokens", "next_draft_tokens", "kv_delta",
+    assert spec.output_names == ("num_accepted", "next_tokens", "next_draft_tokens", "next_draft_probs", "kv_delta",
                                  "draft_kv_delta")
     assert "draft_kv_pool" in spec.input_names
     assert spec.pool_shapes() == {"kv_pool": (3, 64), "draft_kv_pool": (2, 2 * 2 * 16)}

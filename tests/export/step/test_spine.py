@@ -63,8 +63,11 @@ def test_io_names_follow_the_contract() -> None:
     assert spec.input_names[:6] == ("tokens", "row_offsets", "positions", "cache_lengths", "block_table",
                                     "draft_tokens")
     assert "kv_pool" in spec.input_names and "draft_kv_pool" in spec.input_names
-    assert spec.output_names == ("num_accepted", "next_tokens", "next_draft_tokens", "kv_delta", "draft_kv_delta")
+    assert spec.output_names == ("num_accepted", "next_tokens", "next_draft_tokens", "next_draft_probs", "kv_delta",
+                                 "draft_kv_delta")
+    assert spec.input_names[-1] == "draft_probs"                 # after the sampling inputs
     assert "draft_kv_pool" not in baseline.input_names
+    assert "draft_probs" not in baseline.input_names and "next_draft_probs" not in baseline.output_names
 
 
 def test_step_exports_and_onnxruntime_agrees(tmp_path) -> None:
@@ -95,14 +98,17 @@ def test_target_only_step_exports_and_onnxruntime_agrees(tmp_path) -> None:
     harness.check_onnx_matches_torch(baseline, tmp_path / "none.onnx", VOCAB)
 
 
-def test_spec_accept_always_gets_a_bitmask(tmp_path) -> None:
-    """TensorRT's SpecAccept plugin has a fixed input list: unstructured graphs feed an all-allowed mask."""
+@pytest.mark.parametrize("k", [0, 1])
+def test_spec_accept_always_gets_a_bitmask_and_draft_probs(tmp_path, k: int) -> None:
+    """TensorRT's SpecAccept plugin has a fixed input list: unstructured graphs feed an all-allowed mask,
+    K = 0 graphs an empty q; graphs with drafts feed their `draft_probs` input."""
     import onnx
 
     from export.onnx_export import export_step
 
-    _, spec = _steps(1)
-    model = onnx.load(str(export_step(spec, tmp_path / "step.onnx")), load_external_data=False)
+    baseline, spec = _steps(1)
+    model = onnx.load(str(export_step(spec if k else baseline, tmp_path / "step.onnx")), load_external_data=False)
     (node,) = [n for n in model.graph.node if n.op_type == "SpecAccept"]
-    assert len(node.input) == 9 and node.input[8]
+    assert len(node.input) == 10 and node.input[8] and node.input[9]
     assert "token_bitmask" not in [i.name for i in model.graph.input]
+    assert (node.input[9] == "draft_probs") == bool(k)

@@ -32,6 +32,9 @@ def decode_feeds(manifest: Manifest, *, batch: int = 4, cache: int = 20, seed: i
     max_blocks = -(-(cache + 1 + 2 * k + 1) // bs)
     bitmask = {io.TOKEN_BITMASK: np.full((batch, k + 1, -(-manifest.vocab_size // 32)), -1, np.int32)} \
         if manifest.structured_output else {}
+    if any(t.name == io.DRAFT_PROBS for t in manifest.inputs):   # q of sampled drafts
+        q = rng.random((batch, k, manifest.vocab_size), dtype=np.float32) ** 8
+        bitmask[io.DRAFT_PROBS] = q / q.sum(-1, keepdims=True)
     return {**bitmask,
         io.TOKENS: rng.integers(1, manifest.vocab_size, batch), io.ROW_OFFSETS: np.arange(batch + 1),
         io.POSITIONS: np.full(batch, cache), io.CACHE_LENGTHS: np.full(batch, cache),

@@ -36,7 +36,10 @@ def decode_feeds(manifest: Manifest, batch: int, cache: int = 13, seed: int = 0)
     k, bs = manifest.num_speculative_tokens, manifest.block_size
     width = -(-(cache + 1 + 2 * k + 1) // bs)
     bitmask = {io.TOKEN_BITMASK: np.full((batch, k + 1, -(-manifest.vocab_size // 32)), -1, np.int32)}
-    return {**(bitmask if manifest.structured_output else {}),
+    q = rng.random((batch, k, manifest.vocab_size), dtype=np.float32) ** 8      # q of sampled drafts
+    probs = {io.DRAFT_PROBS: q / q.sum(-1, keepdims=True)} if any(t.name == io.DRAFT_PROBS for t in manifest.inputs) \
+        else {}
+    return {**(bitmask if manifest.structured_output else {}), **probs,
         io.TOKENS: rng.integers(1, manifest.vocab_size, batch), io.ROW_OFFSETS: np.arange(batch + 1),
         io.POSITIONS: np.full(batch, cache), io.CACHE_LENGTHS: np.full(batch, cache),
         io.BLOCK_TABLE: np.arange(batch * width).reshape(batch, width),
