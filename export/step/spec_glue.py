@@ -63,26 +63,27 @@ def propose(drafter: nn.Module, head_in: torch.Tensor, f: Mapping[str, torch.Ten
     head_in [B, P, Hd] -> (tokens [B, P] int64, q [B, P, V] float32). Greedy rows keep the drafter's
     argmax; sampled rows draw from the request's truncation of the drafter's distribution with
     noise[:, first + j, NOISE_DRAFT] at position j (acceptance.sample_draft), so the next step verifies
-    them by rejection sampling. An all-greedy step skips the sampling (an ONNX If, never nested).
+    them by rejection sampling. q is the drafter's distribution at the request's temperature, untruncated
+    (acceptance.sample_draft says why). An all-greedy step skips the sampling (an ONNX If, never nested).
     """
     batch, num_positions = head_in.shape[:2]
     logits = drafter.logits(head_in.flatten(0, 1)).unflatten(0, (batch, num_positions))   # [B, P, Vd]
     argmax = drafter.target_ids(logits.argmax(dim=-1))                                      # [B, P]
     logits = drafter.target_vocab_logits(logits, vocab_size)                                # [B, P, V]
     greedy = is_greedy(f[io.TEMPERATURE])[:, None]                                          # [B, 1]
-    params = [f[name][:, None].expand(-1, num_positions) for name in (io.TEMPERATURE, io.TOP_K, io.TOP_P, io.MIN_P)]
+    temperature = f[io.TEMPERATURE][:, None].expand(-1, num_positions)                      # [B, P]
     uniform = f[io.NOISE][:, first:first + num_positions, acceptance.NOISE_DRAFT]           # [B, P]
 
-    def some_sampled(logits: torch.Tensor, argmax: torch.Tensor, uniform: torch.Tensor,
-                     *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, q = acceptance.sample_draft(logits, *params, uniform)
+    def some_sampled(logits: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor,
+                     uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, q = acceptance.sample_draft(logits, temperature, uniform)
         return torch.where(greedy, argmax, tokens), q
 
-    def all_greedy(logits: torch.Tensor, argmax: torch.Tensor, uniform: torch.Tensor,
-                   *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def all_greedy(logits: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor,
+                   uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return argmax.clone(), torch.zeros_like(logits)                                     # zeros: deterministic
 
-    return torch.cond((~greedy).any(), some_sampled, all_greedy, (logits, argmax, uniform, *params))
+    return torch.cond((~greedy).any(), some_sampled, all_greedy, (logits, argmax, temperature, uniform))
 
 
 def allow_all(logits: torch.Tensor) -> torch.Tensor:

@@ -214,21 +214,20 @@ def relaxed_verdict(
 def sample_draft(
     logits: torch.Tensor,       # [..., V] draft logits in the target's vocabulary
     temperature: torch.Tensor,  # [...]
-    top_k: torch.Tensor,        # [...]
-    top_p: torch.Tensor,        # [...]
-    min_p: torch.Tensor,        # [...]
     uniform: torch.Tensor,      # [...], noise[:, step, NOISE_DRAFT]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A sampled draft and the distribution it came from: (tokens [...] int64, q [..., V] float32).
 
-    q is the request's own truncation (temperature -> top-k -> top-p -> min-p) of the draft logits: the
-    target is verified under the same filters, so a q that already leaves out what p~ will leave out wastes
-    no draft on a token that is always rejected. The token is drawn from q *as carried* (rounded to
-    float32; the verdict renormalizes it), so the verdict sees exactly the distribution it came from.
-    Greedy rows take the argmax and report q = onehot(argmax), so `rejection_verdict` treats them as the
-    deterministic drafts they are.
+    q is the drafter's distribution at the request's temperature, untruncated. Rejection sampling is
+    lossless for any q the draft was really drawn from, so the choice is about cost and acceptance:
+    truncating q like the target (top-k / top-p / min-p) would cost a TopK per draft position, while
+    acceptance only loses the draft mass outside the target's truncated support (roughly 1 - top_p).
+    The token is drawn from q *as carried* (rounded to float32; the verdict renormalizes it), so the
+    verdict sees exactly the distribution it came from. Greedy rows take the argmax and report
+    q = onehot(argmax), so `rejection_verdict` treats them as the deterministic drafts they are.
     """
-    probs = truncated_probs(logits, temperature, top_k, top_p, min_p)              # [..., V] float64
+    safe_temperature = torch.where(is_greedy(temperature), torch.ones_like(temperature), temperature)
+    probs = torch.softmax(logits.to(PROB_DTYPE) / safe_temperature.to(PROB_DTYPE)[..., None], dim=-1)  # [..., V]
     argmax = logits.argmax(dim=-1)                                                 # [...]
     greedy = is_greedy(temperature)                                                # [...]
     vocab_ids = torch.arange(logits.shape[-1], device=logits.device)              # [V]

@@ -33,7 +33,7 @@ import torch
 
 GREEDY_TEMPERATURE = 1e-5
 PROB_DTYPE = torch.float64
-NUCLEUS_CANDIDATES = 64    # top-p reads its nucleus off this many largest probabilities before a full sort
+NUCLEUS_CANDIDATES = 256   # top-p reads its nucleus off this many largest probabilities before a full sort
 
 __all__ = [
     "GREEDY_TEMPERATURE", "PROB_DTYPE", "is_greedy", "sample_inverse_cdf", "truncated_probs",
@@ -82,17 +82,22 @@ def _ranked_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> 
     Read off the `width` largest probabilities (one TopK, no full sort): width = the largest k of a row
     that truncates by rank, at least NUCLEUS_CANDIDATES when a row truncates by mass, 1 when none does.
     A nucleus that needs more than `width` tokens (its mass not reached inside them) makes the whole step
-    take the exact path instead: a second TopK over the entire vocabulary. Branch-free (no ONNX If), so
-    it may sit inside the verdict's If, which TensorRT needs.
+    take the exact path instead: a second TopK over the entire vocabulary (else of width 1, unused).
+    Branch-free (no ONNX If), so it may sit inside the verdict's If, which TensorRT needs. ONNX Runtime's
+    TopK costs ~20-40 ns per element scanned at k = 64-256 and ~45 ns at k = V (measured, float64), so the
+    candidate count matters: 256 covers the top-p 0.95 nucleus at temperature 0.7 of the bundled models
+    (median 18 tokens, max 163 over 16 prompts x 48 tokens).
     """
     vocab_size = probs.shape[-1]
     one = torch.ones_like(k)
     need_rank = torch.where(k < vocab_size, k, one)                                # [...]
     need_mass = torch.where(top_p < 1.0, one * NUCLEUS_CANDIDATES, one)            # [...]
     width = torch.maximum(need_rank, need_mass).max().clamp(max=vocab_size)        # [] in 1..V
-    complete = _floor_from_top(probs, k, top_p, width)[1]                          # [...]
-    exact_width = torch.where(complete.all(), width, torch.full_like(width, vocab_size))
-    return _floor_from_top(probs, k, top_p, exact_width)[0]
+    floor, complete = _floor_from_top(probs, k, top_p, width)                      # [...] each
+    # The exact path costs a TopK of 1 (a max) unless some nucleus outgrew the candidates.
+    complete = complete.all()                                                      # []
+    exact_width = torch.where(complete, torch.ones_like(width), torch.full_like(width, vocab_size))
+    return torch.where(complete, floor, _floor_from_top(probs, k, top_p, exact_width)[0])
 
 
 def _floor_from_top(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
