@@ -10,6 +10,8 @@ once the new one is complete:
       model.onnx                     opset 24, IR 10, no weights
       model.onnx.data                every initializer; identical tensors (a drafter's copy of the
                                      target's embedding or head) stored once
+      target_only.onnx, .ort.onnx    speculative methods: the target-only graph (export/target_only.py),
+                                     its weights linked into model.onnx.data
       manifest.json                  runtime.manifest.Manifest
       tokenizer.json, ...            copied from the target checkpoint when present
   out_dir ──rename──▶ .<name>.old-<hex>,  tmp ──rename──▶ out_dir,  rm -r .<name>.old-<hex>
@@ -44,7 +46,8 @@ WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "tokenizer.model", "chat_template.jinja")
 THINK_TOKENS = ("<think>", "</think>")
-STAGES = ("read checkpoints", "build step", "trace + export", "write weights", "check graph", "write manifest")
+STAGES = ("read checkpoints", "build step", "trace + export", "write weights", "check graph", "target-only graph",
+          "write manifest")
 EXPORTER_PACKAGES = ("unispec", "torch", "onnx", "onnxscript", "onnxruntime")
 
 
@@ -60,6 +63,7 @@ class ExportSettings:
     max_model_len: int = 2048
     max_batch_size: int = 16
     max_tokens_per_step: int = 512
+    target_only: bool = True             # speculative methods: also write the target-only graph
 
     def __post_init__(self) -> None:
         if self.dtype not in WEIGHT_DTYPES:
@@ -77,16 +81,18 @@ class ExportSettings:
 def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *, method: str,
                  num_speculative_tokens: int | None = None, out_dir: str | Path, dtype: str = "float32",
                  structured_output: bool = False, block_size: int = 16, max_model_len: int = 2048,
-                 max_batch_size: int = 16, max_tokens_per_step: int = 512, progress: bool | None = None) -> Path:
+                 max_batch_size: int = 16, max_tokens_per_step: int = 512, target_only: bool = True,
+                 progress: bool | None = None) -> Path:
     """Export a target (+ draft) checkpoint as the artifact directory `out_dir`; returns its path.
 
     Bad combinations (method vs checkpoint families, K vs a DFlash block) fail with one-line errors
     before anything is written. `progress=None` shows a progress bar when stderr is a terminal.
+    `target_only` (speculative methods) adds the graph that lets the runtime decode without drafts.
     """
     settings = ExportSettings(method=method, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
                               structured_output=structured_output, block_size=block_size,
                               max_model_len=max_model_len, max_batch_size=max_batch_size,
-                              max_tokens_per_step=max_tokens_per_step)
+                              max_tokens_per_step=max_tokens_per_step, target_only=target_only)
     target_dir, out = Path(target_dir), Path(os.path.abspath(out_dir))   # "." and ".." have no sibling to stage in
     _check_out_dir(out)
     with _Stages(progress) as stages:
@@ -104,9 +110,11 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
             stages.start("check graph")
             graph = _check_graph(tmp / io.MODEL_NAME, step)
             write_ort_graph(tmp, io.ORT_MODEL_NAME)
+            stages.start("target-only graph")
+            only = _target_only(step, tmp, settings, sources["vocab_size"])
             stages.start("write manifest")
             tokenizer = _copy_tokenizer(target_dir, sources["config"], tmp)
-            _manifest(graph, step, settings, sources, tokenizer, tmp).write(tmp)
+            _manifest(graph, step, settings, sources, tokenizer, tmp, only).write(tmp)
             Manifest.load(tmp)                       # the runtime must be able to read what we wrote
     return out
 
@@ -182,6 +190,19 @@ def _quiet_exporter() -> Iterator[None]:
         logger.setLevel(level)
 
 
+def _target_only(step: UnifiedStep, tmp: Path, settings: ExportSettings, vocab_size: int) -> io.TargetOnlyGraph | None:
+    """The target-only graph of a speculative step (export/target_only.py); None for `none` or when not asked."""
+    from export.step.sequential import TargetOnlyStep
+    from export.target_only import write_target_only
+
+    if step.k == 0 or not settings.target_only:
+        return None
+    only = TargetOnlyStep.of(step)
+    model = _trace(only, tmp / "trace", settings, vocab_size)
+    shutil.rmtree(tmp / "trace")
+    return write_target_only(model, tmp, only)
+
+
 def _check_graph(path: Path, step: UnifiedStep) -> onnx.GraphProto:
     """The saved file passes the ONNX checker and carries the step's inputs/outputs in contract order."""
     import onnx
@@ -211,7 +232,7 @@ def _pools(inputs: tuple[TensorSpec, ...], step: UnifiedStep) -> tuple[PoolSpec,
 
 
 def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSettings, sources: dict[str, Any],
-              tokenizer: TokenizerInfo, out: Path) -> Manifest:
+              tokenizer: TokenizerInfo, out: Path, target_only: io.TargetOnlyGraph | None) -> Manifest:
     from plugins.spec_accept.acceptance import NOISE_CHANNELS
 
     inputs = tensor_specs(graph.input)
@@ -225,7 +246,7 @@ def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSetting
         weights_file=io.WEIGHTS_NAME if (out / io.WEIGHTS_NAME).is_file() else None,
         ort_model_file=io.ORT_MODEL_NAME if (out / io.ORT_MODEL_NAME).is_file() else None,
         tokenizer=tokenizer, exporter=exporter_versions(), target_checkpoint=sources["target_checkpoint"],
-        draft_checkpoint=sources["draft_checkpoint"])
+        draft_checkpoint=sources["draft_checkpoint"], target_only=target_only)
 
 
 def exporter_versions() -> dict[str, str]:

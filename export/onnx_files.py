@@ -138,14 +138,14 @@ def op_counts(graph: onnx.GraphProto) -> dict[str, int]:
     return counts
 
 
-def write_ort_graph(out: Path, name: str) -> None:
-    """`name` beside model.onnx: its custom-op functions inlined and the graph optimized (onnxscript), for
-    ONNX Runtime. ORT would inline the functions itself but cannot fold their shape arithmetic once they are
-    inlined; this removes ~10% of the nodes a step runs. The weights stay in model.onnx.data (referenced,
-    not copied)."""
+def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
+    """`name` beside `source` (model.onnx): its custom-op functions inlined and the graph optimized
+    (onnxscript), for ONNX Runtime. ORT would inline the functions itself but cannot fold their shape
+    arithmetic once they are inlined; this removes ~10% of the nodes a step runs. The weights stay in the
+    external files (referenced, not copied)."""
     import onnx_ir as ir
     import onnxscript.optimizer
 
-    model = ir.load(out / io.MODEL_NAME)
+    model = ir.load(out / source)
     onnxscript.optimizer.optimize_ir(model)
     ir.save(model, out / name)

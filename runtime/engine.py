@@ -16,6 +16,14 @@ Per-row sampling inputs come from each request's SamplingParams; `noise` from it
 per generating step (zeros otherwise), so seeded output does not depend on the batch, on how the
 prompt was chunked, or on preemptions; `token_bitmask` from its grammar (runtime/structured.py);
 `in_thinking_phase` from its think-token tracking when it opted into relaxed acceptance.
+
+Adaptive speculation (runtime/speculation.py): a step runs either the speculative graph or, when the
+artifact has one, its target-only graph (K = 0: no drafts verified or proposed, the commit rule with
+K = 0, the draft pool left alone). A row remembers how far its draft KV reaches (`draft_len`); before a
+speculative step, a row that decoded target-only since is rolled back to it and recomputed, like a
+preempted one. `speculation="auto"` chooses per step from measured step times and acceptance;
+"always" / "never" force one graph. With adaptive speculation, which tokens a seeded sampled request
+gets depends on which graph ran each step (both are exact samples of the target).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from runtime.noise import RequestNoise, batch_noise
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Plan, Scheduler
 from runtime.sequence import RequestMetrics, RequestOutput, SequenceState, validate_prompt
+from runtime.speculation import SPECULATIVE, TARGET_ONLY, SpeculationPolicy
 from runtime.structured import GrammarCompiler, check_structured_support
 
 __all__ = ["Engine", "Listener", "RequestMetrics", "RequestOutput", "StepTimings", "validate_prompt"]
@@ -49,12 +58,15 @@ class StepTimings:
     """Wall time of the steps run since the last reset, split where the step graph runs.
 
     graph_s is the backend's `run` call (the step graph); host_s is the rest of `Engine.step`: scheduling,
-    filling the feeds, committing the KV deltas and advancing the requests.
+    filling the feeds, committing the KV deltas and advancing the requests. target_only_* count the steps
+    that ran the target-only graph (adaptive speculation), and their whole time, within those totals.
     """
 
     steps: int = 0
     graph_s: float = 0.0
     host_s: float = 0.0
+    target_only_steps: int = 0
+    target_only_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -66,7 +78,8 @@ class Engine:
 
     def __init__(self, backend: Backend, *, eos_token_ids: Sequence[int] = (), detokenize: Detokenize | None = None,
                  prefill_chunk: int | None = None, max_model_len: int | None = None,
-                 grammars: GrammarCompiler | None = None, listener: Listener | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, listener: Listener | None = None,
+                 speculation: str = "auto") -> None:
         m = self.manifest = backend.manifest
         self.backend, self.k = backend, m.num_speculative_tokens
         self.eos_token_ids, self.detokenize = frozenset(eos_token_ids), detokenize
@@ -79,6 +92,13 @@ class Engine:
         specs = backend.input_specs()
         self.buffers = PersistentInputBuffers(specs, step_bounds(m))
         self._input_names = frozenset(s.name for s in specs)
+        has_target_only = bool(getattr(backend, "has_target_only", False))
+        self.policy = SpeculationPolicy(speculation, k=self.k, has_target_only=has_target_only)
+        only = frozenset(s.name for s in backend.target_only_input_specs()) if has_target_only else frozenset()
+        # a `none` artifact (K = 0) runs its one graph for "target-only" steps
+        self._names = {SPECULATIVE: self._input_names, TARGET_ONLY: only if self.k else self._input_names}
+        # pools the speculative graph writes and the target-only one does not: a gap there needs a recompute
+        self._gapped = has_target_only and any(p.name not in only for p in m.pools)
         # copied from, never grown: a row's positions plus one step's reach past them
         self._positions = np.arange(m.max_model_len + 1 + io.step_reach(self.k), dtype=np.int64)
         self._ids = count()
@@ -157,32 +177,56 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one step over the scheduled rows; returns the requests that finished in it."""
         started = time.perf_counter()
+        if not self.scheduler.has_unfinished():
+            return []
+        kind = self.policy.choose(self._next_rows())
+        if kind == SPECULATIVE and self._gapped:
+            self._resume_drafting()
         plan = self.scheduler.schedule()
         if not plan:
             return []
+        k = self.k if kind == SPECULATIVE else 0
+        all_decode = all(seq.is_decode for seq in plan)
         # A step that fails leaves every request as it was (blocks taken for it stay with their rows) and
         # can simply be retried; only the noise drawn for it must be put back.
         noise = [(seq.noise, seq.noise.checkpoint()) for seq, n in plan.items() if seq.generates(n)]
         # (A half-done commit only wrote positions at or past each row's cache length, which nothing reads.)
         try:
-            feeds = self._feeds(plan)
+            feeds = self._feeds(plan, k, self._names[kind])
             graph_started = time.perf_counter()
-            outputs = self.backend.run(feeds)
+            run = self.backend.run if kind == SPECULATIVE or not self.k else self.backend.run_target_only
+            outputs = run(feeds)
             graph_s = time.perf_counter() - graph_started
-            self._commit(feeds, outputs)
+            self._commit(feeds, outputs, k)
         except BaseException:
             for stream, checkpoint in noise:
                 stream.rewind(checkpoint)
             raise
         self.num_steps += 1
-        finished = self._advance(plan, outputs)
+        finished, verified = self._advance(plan, outputs, k)
+        step_s = time.perf_counter() - started
+        self.policy.record(kind, list(plan), step_s, all_decode, verified)
         t = self.timings
-        t.steps, t.graph_s = t.steps + 1, t.graph_s + graph_s
-        t.host_s += time.perf_counter() - started - graph_s
+        t.steps, t.graph_s, t.host_s = t.steps + 1, t.graph_s + graph_s, t.host_s + step_s - graph_s
+        if kind == TARGET_ONLY:
+            t.target_only_steps, t.target_only_s = t.target_only_steps + 1, t.target_only_s + step_s
         return finished
 
-    def _feeds(self, plan: Plan) -> dict[str, np.ndarray]:
-        view, k, batch = self.buffers.view, self.k, len(plan)
+    def _next_rows(self) -> list[SequenceState]:
+        """The rows the next step will (about) hold: the running ones and those the scheduler may admit."""
+        running = list(self.scheduler.running)
+        return running + list(self.scheduler.waiting)[:max(0, self.manifest.max_batch_size - len(running))]
+
+    def _resume_drafting(self) -> None:
+        """Rows that decoded target-only lack draft KV past `draft_len`: recompute from there (their
+        drafts, if any, were proposed before the gap and are dropped)."""
+        for seq in self.scheduler.running:
+            if seq.draft_len < seq.cache_len:
+                seq.cache_len, seq.drafts, seq.draft_probs = seq.draft_len, None, None
+
+    def _feeds(self, plan: Plan, k: int, names: frozenset[str]) -> dict[str, np.ndarray]:
+        """The step's inputs for a graph with K = `k` drafts per row (the artifact's, or 0: target-only)."""
+        view, batch = self.buffers.view, len(plan)
         tables = [self.blocks.table(seq.request_id) for seq in plan]
         f = {io.ROW_OFFSETS: view(io.ROW_OFFSETS, (batch + 1,)),
              io.BLOCK_TABLE: view(io.BLOCK_TABLE, (batch, max(len(t) for t in tables))),
@@ -197,22 +241,23 @@ class Engine:
             f[io.TOKENS][start:start + n] = seq.tokens(c, c + n)
             f[io.POSITIONS][start:start + n] = self._positions[c:c + n]
             f[io.BLOCK_TABLE][i, :len(table)] = table
-            f[io.DRAFT_TOKENS][i] = seq.drafts if seq.is_decode and seq.drafts is not None else -1
-        if io.DRAFT_PROBS in self._input_names:
+            if k:
+                f[io.DRAFT_TOKENS][i] = seq.drafts if seq.is_decode and seq.drafts is not None else -1
+        if io.DRAFT_PROBS in names:
             self._draft_probs(f, plan)
-        self._per_row_inputs(f, plan)
-        return {name: value for name, value in f.items() if name in self._input_names}
+        self._per_row_inputs(f, plan, k, names)
+        return {name: value for name, value in f.items() if name in names}
 
     def _draft_probs(self, f: dict[str, np.ndarray], plan: Plan) -> None:
         """draft_probs [B, K, V]: each decode row's q from its previous step; zeros (argmax drafts) elsewhere."""
         probs = f[io.DRAFT_PROBS] = self.buffers.view(io.DRAFT_PROBS, (len(plan), self.k, self.manifest.vocab_size))
         for i, seq in enumerate(plan):
-            if seq.is_decode and seq.draft_probs is not None:
+            if seq.is_decode and seq.drafts is not None and seq.draft_probs is not None:
                 probs[i] = seq.draft_probs
             else:
                 probs[i] = 0.0
 
-    def _per_row_inputs(self, f: dict[str, np.ndarray], plan: Plan) -> None:
+    def _per_row_inputs(self, f: dict[str, np.ndarray], plan: Plan, k: int, names: frozenset[str]) -> None:
         view, batch, m = self.buffers.view, len(plan), self.manifest
         rows = list(plan)
         generating = [seq.generates(n) for seq, n in plan.items()]
@@ -225,50 +270,59 @@ class Engine:
             io.IN_THINKING_PHASE: [s.thinking for s in rows],
         }
         for name, values in columns.items():
-            if name in self._input_names or name == io.CACHE_LENGTHS:
+            if name in names or name == io.CACHE_LENGTHS:
                 f[name] = view(name, (batch,))
                 f[name][...] = values
         streams = [s.noise if g else None for s, g in zip(rows, generating)]
-        f[io.NOISE] = batch_noise(streams, self.k + 1, m.noise_channels,
-                                  out=view(io.NOISE, (batch, self.k + 1, m.noise_channels)))
-        if io.TOKEN_BITMASK in self._input_names:
-            bitmask = f[io.TOKEN_BITMASK] = view(io.TOKEN_BITMASK, (batch, self.k + 1, -(-m.vocab_size // 32)))
+        # Every generating step takes a K + 1 block from the request's stream, whichever graph runs.
+        noise = batch_noise(streams, self.k + 1, m.noise_channels,
+                            out=view(io.NOISE, (batch, self.k + 1, m.noise_channels)))
+        f[io.NOISE] = noise[:, :k + 1]
+        if io.TOKEN_BITMASK in names:
+            bitmask = f[io.TOKEN_BITMASK] = view(io.TOKEN_BITMASK, (batch, k + 1, -(-m.vocab_size // 32)))
             bitmask[...] = -1                        # unconstrained rows: every token allowed
             for i, (seq, g) in enumerate(zip(rows, generating)):
                 if g and seq.grammar is not None:
-                    seq.grammar.fill_rows(bitmask[i], seq.drafts if seq.is_decode else None)
+                    seq.grammar.fill_rows(bitmask[i], seq.drafts if seq.is_decode and k else None)
 
-    def _commit(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
+    def _commit(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray], k: int) -> None:
         """The commit rule, vectorised: every committed (row, position) pair becomes one (slot, delta row)."""
         slots, rows = io.committed_slots(feeds[io.ROW_OFFSETS], outputs[io.NUM_ACCEPTED], feeds[io.CACHE_LENGTHS],
-                                         feeds[io.BLOCK_TABLE], num_speculative_tokens=self.k,
+                                         feeds[io.BLOCK_TABLE], num_speculative_tokens=k,
                                          block_size=self.manifest.block_size)
         self.backend.commit(outputs, slots, rows)
 
-    def _advance(self, plan: Plan, outputs: dict[str, np.ndarray]) -> list[RequestOutput]:
+    def _advance(self, plan: Plan, outputs: dict[str, np.ndarray],
+                 k: int) -> tuple[list[RequestOutput], list[tuple[SequenceState, int]]]:
+        """(the requests that finished, (row, accepted drafts) of every row that verified drafts)."""
         accepted = outputs[io.NUM_ACCEPTED].tolist()
         next_tokens = outputs[io.NEXT_TOKENS].tolist()
         next_drafts = outputs[io.NEXT_DRAFT_TOKENS]                                      # [B, K]
         next_probs = outputs.get(io.NEXT_DRAFT_PROBS)                                    # [B, K, V] or None
-        finished = []
+        finished, verified = [], []
         for i, (seq, n) in enumerate(plan.items()):
             seq.num_steps += 1
             generates, was_decode = seq.generates(n), seq.is_decode
             seq.cache_len += n + accepted[i]
+            if k:
+                seq.draft_len = seq.cache_len            # the speculative graph wrote the draft KV too
             if not generates:
                 continue                         # a prefill / recompute chunk: its next token is ignored
             new = [next_tokens[i]]
-            if was_decode:
+            if was_decode and k and seq.drafts is not None:          # drafts were verified
                 seq.accepted.append(accepted[i])
+                verified.append((seq, accepted[i]))
                 new = [*seq.drafts[:accepted[i]].tolist(), next_tokens[i]]
-            seq.drafts = next_drafts[i].copy()
+            elif was_decode and not self.k:
+                seq.accepted.append(0)               # a `none` artifact: every decode step accepts 0 drafts
+            seq.drafts = next_drafts[i].copy() if k else None        # target-only steps propose none
             seq.draft_probs = None if next_probs is None else next_probs[i].copy()
             added = self._append(seq, new)
             if seq.finish_reason is not None:
                 finished.append(self._finish(seq, added))
             elif self.listener is not None:
                 self.listener(seq.request_id, added, None)
-        return finished
+        return finished, verified
 
     # --- stopping -----------------------------------------------------------------------------------------
 

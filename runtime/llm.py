@@ -54,10 +54,12 @@ class _Tracker:
 class LLM:
     def __init__(self, artifact_dir: str | Path, backend: str = "ort", *, num_blocks: int | None = None,
                  kv_memory_bytes: int | None = None, max_model_len: int | None = None,
-                 prefill_chunk: int | None = None, **backend_options: Any) -> None:
+                 prefill_chunk: int | None = None, speculation: str = "auto", **backend_options: Any) -> None:
         """`num_blocks` sizes the KV pools directly; otherwise `kv_memory_bytes` (default 256 MiB) does,
         counting target and draft pools, capped at what a full batch of max_model_len requests can use.
-        `max_model_len` may lower the artifact's; `prefill_chunk` caps the tokens a prompt feeds per step."""
+        `max_model_len` may lower the artifact's; `prefill_chunk` caps the tokens a prompt feeds per step.
+        `speculation`: "auto" runs each step speculatively or target-only, whichever its measurements say
+        is faster (artifacts with a target-only graph); "always" / "never" force one (runtime/speculation.py)."""
         self.artifact_dir = Path(artifact_dir)
         if not self.artifact_dir.is_dir():
             raise ArtifactError(f"{artifact_dir}: no such directory; pass an artifact written by `unispec export`")
@@ -75,7 +77,7 @@ class LLM:
         self.engine = Engine(self.backend, eos_token_ids=m.tokenizer.eos_token_ids,
                              detokenize=self.tokenizer.decode if self.tokenizer is not None else None,
                              prefill_chunk=prefill_chunk, max_model_len=max_model_len, grammars=grammars,
-                             listener=self._on_update)
+                             listener=self._on_update, speculation=speculation)
         self._lock = RLock()
         self._trackers: dict[Hashable, _Tracker] = {}
 

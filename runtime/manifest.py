@@ -106,6 +106,18 @@ class TokenizerInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TargetOnlyGraph:
+    """A speculative artifact's second graph (adaptive speculation): its target decoding one token per row
+    (the target's `none` graph). K = 0: draft_tokens [B, 0], noise [B, 1, C], no draft_probs; the target's
+    pools only (the draft pool is left as it is), deltas S rows long; weights in the same file."""
+
+    model_file: str
+    ort_model_file: str | None = None
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     format_version: int = FORMAT_VERSION
     method: str                              # none | mtp | nextn | eagle3 | eagle3-mha | dflash | gemma4-mtp
@@ -136,6 +148,8 @@ class Manifest:
     target_checkpoint: str | None = None
     draft_checkpoint: str | None = None
     engine: dict[str, Any] | None = None     # written by `unispec build` (issue 8)
+    # the target-only graph a speculative artifact also carries; None for `none` and older artifacts
+    target_only: TargetOnlyGraph | None = None
 
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:
@@ -173,10 +187,11 @@ class Manifest:
                                     "unispec, upgrade or re-export")
             d = dict(d)
             d["pools"] = tuple(PoolSpec(**p) for p in d["pools"])
-            d["inputs"] = tuple(TensorSpec(name=t["name"], dtype=t["dtype"], shape=tuple(t["shape"]))
-                                for t in d["inputs"])
-            d["outputs"] = tuple(TensorSpec(name=t["name"], dtype=t["dtype"], shape=tuple(t["shape"]))
-                                 for t in d["outputs"])
+            d["inputs"], d["outputs"] = _tensor_specs(d["inputs"]), _tensor_specs(d["outputs"])
+            if d.get("target_only") is not None:
+                only = dict(d["target_only"])
+                only["inputs"], only["outputs"] = _tensor_specs(only["inputs"]), _tensor_specs(only["outputs"])
+                d["target_only"] = TargetOnlyGraph(**only)
             d["ops"] = tuple(d.get("ops", ()))
             tok = dict(d.get("tokenizer") or {})
             tok["files"], tok["eos_token_ids"] = tuple(tok.get("files", ())), tuple(tok.get("eos_token_ids", ()))
@@ -199,6 +214,10 @@ class Manifest:
         if not isinstance(d, dict):
             raise ArtifactError(f"{path}: must hold a JSON object; the artifact is damaged, re-export it")
         return cls.from_dict(d)
+
+
+def _tensor_specs(items: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(name=t["name"], dtype=t["dtype"], shape=tuple(t["shape"])) for t in items)
 
 
 def dim_value(dim: int | str, env: Mapping[str, int], *, tensor: str | None = None) -> int:

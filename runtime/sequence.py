@@ -104,6 +104,7 @@ class SequenceState:
     grammar: RequestGrammar | None = None
     generated: list[int] = field(default_factory=list)
     cache_len: int = 0                           # tokens committed to the pools
+    draft_len: int = 0                           # of those, the ones with draft KV (adaptive speculation)
     drafts: np.ndarray | None = None             # [K] drafts to verify next decode step
     draft_probs: np.ndarray | None = None        # [K, V] the q they were sampled from (artifacts with draft_probs)
     thinking: bool = False                       # between think start and end (only with think_ids)
@@ -156,7 +157,7 @@ class SequenceState:
 
     def preempt(self) -> None:
         """Forget the pools' contents; the request recomputes them when it runs again."""
-        self.cache_len = 0
+        self.cache_len = self.draft_len = 0
         self.num_preemptions += 1
 
     def add_token(self, token: int) -> None:

@@ -75,6 +75,9 @@ _CHECKPOINT_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 @click.option("--max-batch-size", type=int, default=16, show_default=True, help="Most rows per step.")
 @click.option("--max-tokens-per-step", type=int, default=512, show_default=True,
               help="Most new tokens per step over all rows (the prefill chunk budget).")
+@click.option("--target-only/--no-target-only", default=True, show_default=True,
+              help="Speculative methods: also write the target-only graph, so the runtime can decode without "
+                   "drafts when they do not pay (adaptive speculation).")
 def export(**options: Any) -> None:
     """Export a target (+ draft) checkpoint to an ONNX artifact directory."""
     from export.artifact import export_model
@@ -120,8 +123,10 @@ def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, dry
               help="Constrain the output to the JSON schema in this file (needs --structured-output at export).")
 @click.option("--chat/--no-chat", default=True, show_default=True,
               help="Use the tokenizer's chat template, when it has one, for --prompt.")
+@click.option("--speculation", type=click.Choice(("auto", "always", "never")), default="auto", show_default=True,
+              help="auto: each step speculative or target-only, whichever is measured faster; or force one.")
 def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend: str, json_schema: Path | None,
-        chat: bool, **sampling: Any) -> None:
+        chat: bool, speculation: str, **sampling: Any) -> None:
     """Generate from an artifact, streaming to the terminal, then one line of speed and acceptance."""
     import re
 
@@ -139,7 +144,7 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
     except ValueError:
         raise click.BadParameter(f"{prompt_ids!r} is not a comma-separated list of ints",
                                  param_hint="--prompt-ids") from None
-    llm = LLM(artifact_dir, backend=backend)
+    llm = LLM(artifact_dir, backend=backend, speculation=speculation)
     if isinstance(request, str) and chat and llm.tokenizer is not None and llm.tokenizer.chat_template:
         request = [{"role": "user", "content": request}]
     stream = llm.stream(request, params)

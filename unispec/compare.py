@@ -126,7 +126,9 @@ def open_backends(artifact_dir: Path, manifest: io.Manifest, names: Sequence[str
 
 
 def generate_tokens(backend: Backend, requests: Sequence[Request]) -> list[list[int]]:
-    engine = Engine(backend)
+    # Always the speculative graph: which graph runs a step changes seeded sampled tokens, and the
+    # backends compared must run the same steps (not every backend has the target-only graph).
+    engine = Engine(backend, speculation="always")
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
     done = {}
     while engine.has_unfinished():

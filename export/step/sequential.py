@@ -14,7 +14,8 @@ positions, for row b with `a` = its last accepted absolute position (cache_len +
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
 import torch
@@ -131,7 +132,14 @@ class SequentialStep(UnifiedStep):
 
 
 class TargetOnlyStep(UnifiedStep):
-    """Method `none`: plain decoding through the same contract (K = 0, no drafts)."""
+    """Plain decoding through the same contract (K = 0, no drafts): method `none`, and the target-only graph
+    a speculative artifact carries beside its step (`TargetOnlyStep.of(step)`, adaptive speculation).
+
+    The latter is the speculative step's own target module (so the same weights) reading one logit row per
+    request; it neither reads nor writes the draft pool. Keeping the drafter's KV up to date here would
+    cost ~5% of a small model's step (35 more nodes for Llama 3 + DFlash); the runtime instead recomputes
+    the positions a row decoded target-only when it resumes speculating (runtime/speculation.py).
+    """
 
     def __init__(self, target: nn.Module, *, structured_output: bool = False) -> None:
         super().__init__()
@@ -139,13 +147,30 @@ class TargetOnlyStep(UnifiedStep):
         self.target_pool_names = target_pools(target)
         self.structured_output = structured_output
 
+    @classmethod
+    def of(cls, step: UnifiedStep) -> TargetOnlyStep:
+        """The target-only step of a speculative `step` (the same target module, its pools and sampling inputs)."""
+        return cls(step.target, structured_output=step.structured_output)
+
     def step(self, f: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        logits, _, _, *target_deltas = self.target(
-            f[io.TOKENS], f[io.ROW_OFFSETS], f[io.POSITIONS], f[io.CACHE_LENGTHS], f[io.BLOCK_TABLE],
-            *[f[p] for p in self.target_pool_names])
+        with _logit_rows(self.target, 1):
+            logits, _, _, *target_deltas = self.target(
+                f[io.TOKENS], f[io.ROW_OFFSETS], f[io.POSITIONS], f[io.CACHE_LENGTHS], f[io.BLOCK_TABLE],
+                *[f[p] for p in self.target_pool_names])
         verdict = spec.verify(logits, f, structured=self.structured_output)
         no_drafts = f[io.DRAFT_TOKENS][:, :0]                                           # [B, 0]
         return (verdict.num_accepted, verdict.next_tokens, no_drafts, *target_deltas)
+
+
+@contextmanager
+def _logit_rows(target: nn.Module, n: int) -> Iterator[None]:
+    """The target computes logits for its last `n` positions per row while inside (a speculative
+    artifact's target is built for K + 1; its target-only graph reads 1)."""
+    saved, target.num_logits = target.num_logits, n
+    try:
+        yield
+    finally:
+        target.num_logits = saved
 
 
 def build_target_only(target: object, draft: object, *, k: int, dtype: torch.dtype | None = None) -> TargetOnlyStep:

@@ -53,44 +53,83 @@ def _element_type(dtype: np.dtype) -> Any:
 
 
 class OrtBackend:
-    """Runs one artifact's step graph in ONNX Runtime; owns its KV pools."""
+    """Runs one artifact's step graph in ONNX Runtime; owns its KV pools.
+
+    A speculative artifact with a target-only graph (manifest.target_only) gets a second session over the
+    same pools: `run_target_only` runs it (adaptive speculation, runtime/engine.py)."""
 
     def __init__(self, artifact_dir: str | Path, manifest: io.Manifest, *, num_blocks: int,
                  providers: Sequence[str] | None = None, num_threads: int | None = None) -> None:
         if num_blocks < 1:
             raise UnispecError(f"num_blocks must be >= 1, got {num_blocks}")
         self.manifest, self.num_blocks = manifest, num_blocks
-        self.session = _open_session(Path(artifact_dir), manifest, providers, num_threads)
-        pool_names = {p.name for p in manifest.pools}
-        self._step_specs = tuple(s for s in manifest.inputs if s.name not in pool_names)
-        bounds = step_bounds(manifest)
-        self._own_inputs = PersistentInputBuffers(self._step_specs, bounds)   # for feeds we cannot bind as given
-        self._outputs = PersistentInputBuffers(manifest.outputs, bounds)      # same mechanics, for outputs
-        self._binding = self.session.io_binding()
         self.pools = {p.name: np.zeros((num_blocks, p.num_layers, manifest.block_size, p.width),
                                        dtype=numpy_dtype(p.dtype)) for p in manifest.pools}
         ort = _ort()
-        # OrtValues over the pools' memory; kept alive here because the binding only references them.
+        # OrtValues over the pools' memory; kept alive here because the bindings only reference them.
         self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(pool) for name, pool in self.pools.items()}
-        for name, value in self._pool_values.items():
-            self._binding.bind_ortvalue_input(name, value)
+        self._main = _Graph(Path(artifact_dir), manifest, manifest, self._pool_values, providers, num_threads)
+        self.session = self._main.session
+        only = manifest.target_only
+        self._target_only = None if only is None else \
+            _Graph(Path(artifact_dir), manifest, only, self._pool_values, providers, num_threads)
 
     @property
     def providers(self) -> list[str]:
         return list(self.session.get_providers())
 
+    @property
+    def has_target_only(self) -> bool:
+        return self._target_only is not None
+
     def input_specs(self) -> tuple[io.TensorSpec, ...]:
-        return self._step_specs
+        return self._main.step_specs
+
+    def target_only_input_specs(self) -> tuple[io.TensorSpec, ...]:
+        return self._target_only.step_specs if self._target_only is not None else ()
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        missing = [s.name for s in self._step_specs if s.name not in feeds]
+        return self._main.run(feeds)
+
+    def run_target_only(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One step of the target-only graph (K = 0); outputs valid until the next run of either graph."""
+        if self._target_only is None:
+            raise UnispecError("this artifact has no target-only graph; re-export it to decode without drafts")
+        return self._target_only.run(feeds)
+
+    def commit(self, outputs: Mapping[str, np.ndarray], slots: np.ndarray, rows: np.ndarray) -> None:
+        slots, rows = np.asarray(slots, dtype=np.int64), np.asarray(rows, dtype=np.int64)   # [N], [N]
+        for pool in self.manifest.pools:
+            if pool.delta in outputs:                # a target-only step leaves the draft pool as it is
+                io.write_committed(self.pools[pool.name], outputs[pool.delta], slots, rows, self.manifest.block_size)
+
+
+class _Graph:
+    """One session with its IO binding: pools bound once, per-step inputs and outputs bound every run."""
+
+    def __init__(self, artifact_dir: Path, manifest: io.Manifest, graph: io.Manifest | io.TargetOnlyGraph,
+                 pool_values: Mapping[str, Any], providers: Sequence[str] | None, num_threads: int | None) -> None:
+        self.session = _open_session(artifact_dir, manifest, graph, providers, num_threads)
+        self.manifest, self.outputs = manifest, graph.outputs
+        self.step_specs = tuple(s for s in graph.inputs if s.name not in pool_values)
+        bounds = step_bounds(manifest)
+        self._own_inputs = PersistentInputBuffers(self.step_specs, bounds)   # for feeds we cannot bind as given
+        self._outputs = PersistentInputBuffers(graph.outputs, bounds)        # same mechanics, for outputs
+        self._binding = self.session.io_binding()
+        graph_inputs = {s.name for s in graph.inputs}
+        for name, value in pool_values.items():
+            if name in graph_inputs:                 # a target-only graph may not read the draft pool
+                self._binding.bind_ortvalue_input(name, value)
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        missing = [s.name for s in self.step_specs if s.name not in feeds]
         if missing:
             raise UnispecError(f"step feeds lack {missing}; a backend's run needs every input of input_specs()")
-        for spec in self._step_specs:
+        for spec in self.step_specs:
             self._bind_input(spec, feeds[spec.name])
         env = _step_env(feeds, self.manifest)
         outputs = {}
-        for spec in self.manifest.outputs:
+        for spec in self.outputs:
             outputs[spec.name] = view = self._outputs.view(spec.name, shape_of(spec, env))
             self._binding.bind_output(spec.name, "cpu", 0, _element_type(view.dtype), view.shape,
                                       view.ctypes.data)
@@ -106,11 +145,6 @@ class OrtBackend:
             feed = own
         self._binding.bind_input(spec.name, "cpu", 0, _element_type(dtype), feed.shape, feed.ctypes.data)
 
-    def commit(self, outputs: Mapping[str, np.ndarray], slots: np.ndarray, rows: np.ndarray) -> None:
-        slots, rows = np.asarray(slots, dtype=np.int64), np.asarray(rows, dtype=np.int64)   # [N], [N]
-        for pool in self.manifest.pools:
-            io.write_committed(self.pools[pool.name], outputs[pool.delta], slots, rows, self.manifest.block_size)
-
 
 def _step_env(feeds: Mapping[str, np.ndarray], manifest: io.Manifest) -> dict[str, int]:
     """The step's dynamic dims, read off the feeds (names as the exporter writes them)."""
@@ -119,11 +153,11 @@ def _step_env(feeds: Mapping[str, np.ndarray], manifest: io.Manifest) -> dict[st
             "max_blocks": int(table.shape[1])}
 
 
-def _open_session(artifact_dir: Path, manifest: io.Manifest, providers: Sequence[str] | None,
-                  num_threads: int | None) -> Any:
+def _open_session(artifact_dir: Path, manifest: io.Manifest, graph: io.Manifest | io.TargetOnlyGraph,
+                  providers: Sequence[str] | None, num_threads: int | None) -> Any:
     ort = _ort()
     # ONNX Runtime's own copy of the graph when the artifact has one (functions inlined and folded at export).
-    model = artifact_dir / (manifest.ort_model_file or manifest.model_file)
+    model = artifact_dir / (graph.ort_model_file or graph.model_file)
     if not model.is_file():
         raise ArtifactError(f"{artifact_dir}: no {model.name}; the artifact is damaged, re-export it")
     if manifest.weights_file and not (artifact_dir / manifest.weights_file).is_file():
@@ -139,11 +173,11 @@ def _open_session(artifact_dir: Path, manifest: io.Manifest, providers: Sequence
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ArtifactError(f"{model}: ONNX Runtime cannot load it ({first_line}); the artifact is damaged, "
                             "re-export it") from None
-    _check_io(session, manifest, model)
+    _check_io(session, graph, model)
     return session
 
 
-def _check_io(session: Any, manifest: io.Manifest, model: Path) -> None:
+def _check_io(session: Any, manifest: io.Manifest | io.TargetOnlyGraph, model: Path) -> None:
     graph_inputs = {i.name for i in session.get_inputs()}
     graph_outputs = {o.name for o in session.get_outputs()}
     listed_inputs = {t.name for t in manifest.inputs}

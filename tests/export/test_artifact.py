@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from export import artifact
+from export import target_only as target_only_files
 from export.artifact import export_model, read_artifact
 from export.methods import build_step
 from export.tiny import write_tiny
@@ -72,9 +73,10 @@ def tree_digest(directory: Path) -> dict[str, str]:
 @pytest.mark.parametrize("method", ["none", "eagle3"])
 def test_files_pass_the_checker_with_external_weights(artifacts: dict[str, Path], method: str) -> None:
     path = artifacts[method]
+    target_only = [target_only_files.MODEL_NAME, target_only_files.ORT_MODEL_NAME] if method != "none" else []
     assert sorted(p.name for p in path.iterdir()) == sorted(
         [io.MODEL_NAME, io.ORT_MODEL_NAME, io.WEIGHTS_NAME, io.MANIFEST_NAME, "tokenizer.json",
-         "tokenizer_config.json", "generation_config.json"])
+         "tokenizer_config.json", "generation_config.json", *target_only])
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]     # no temp or old dirs left
     onnx.checker.check_model(str(path / io.MODEL_NAME), full_check=True)
     model = onnx.load(str(path / io.MODEL_NAME), load_external_data=False)
@@ -189,8 +191,12 @@ def test_read_artifact_refuses_damaged_or_mismatched_dirs(artifacts: dict[str, P
 
 def reuse_trace(monkeypatch: pytest.MonkeyPatch, source: Path) -> None:
     """Make `_trace` return an already exported graph: these tests are about the directory handling."""
+    def graph(step: torch.nn.Module) -> Path:
+        only = source / target_only_files.MODEL_NAME
+        return only if step.k == 0 and only.is_file() else source / io.MODEL_NAME   # the target-only trace
+
     monkeypatch.setattr(artifact, "_trace", lambda step, trace_dir, *_: (
-        trace_dir.mkdir(), onnx.load(str(source / io.MODEL_NAME)))[1])
+        trace_dir.mkdir(), onnx.load(str(graph(step))))[1])
 
 
 @pytest.mark.parametrize("stage", ["_trace", "_copy_tokenizer"])
@@ -292,3 +298,21 @@ def test_the_ort_graph_is_inlined_smaller_and_shares_the_weights_file(artifacts:
                  if entry.key == "location"}
     assert locations == {io.WEIGHTS_NAME}
     assert (path / io.ORT_MODEL_NAME).stat().st_size < (path / io.WEIGHTS_NAME).stat().st_size
+
+
+def test_the_target_only_graph_is_the_none_graph_over_the_same_weights(artifacts: dict[str, Path]) -> None:
+    """Speculative artifacts carry the target-only graph (adaptive speculation): node for node the target's
+    `none` graph, every weight a reference into model.onnx.data (nothing stored twice), its own I/O in the
+    manifest; `none` artifacts carry none."""
+    path, manifest = artifacts["eagle3"], Manifest.load(artifacts["eagle3"])
+    only = manifest.target_only
+    assert Manifest.load(artifacts["none"]).target_only is None
+    assert (only.model_file, only.ort_model_file) == (target_only_files.MODEL_NAME, target_only_files.ORT_MODEL_NAME)
+    assert [t.name for t in only.inputs] == [t.name for t in Manifest.load(artifacts["none"]).inputs]
+    assert [t.name for t in only.outputs] == [io.NUM_ACCEPTED, io.NEXT_TOKENS, io.NEXT_DRAFT_TOKENS, io.KV_DELTA]
+    for name in (only.model_file, only.ort_model_file):
+        graph = onnx.load(str(path / name), load_external_data=False).graph
+        locations = {e.value for t in graph.initializer for e in t.external_data if e.key == "location"}
+        assert locations == {io.WEIGHTS_NAME}
+    ops = lambda p: sorted(n.op_type for n in onnx.load(str(p), load_external_data=False).graph.node)  # noqa: E731
+    assert ops(path / only.ort_model_file) == ops(artifacts["none"] / io.ORT_MODEL_NAME)

@@ -98,7 +98,7 @@ class AddressCheck(Recorder):
 
 def run_engine(backend, sampled: bool) -> list[RequestOutput]:
     """The reference's schedule through the runtime: request i joins at its arrival step."""
-    engine = Engine(backend, prefill_chunk=PREFILL_CHUNK)
+    engine = Engine(backend, prefill_chunk=PREFILL_CHUNK, speculation="always")   # the reference loop always drafts
     if isinstance(backend, AddressCheck):
         backend.engine = engine
     prompts, done, step = _prompts(backend.manifest.vocab_size), {}, 0
@@ -172,7 +172,7 @@ def test_a_small_pool_preempts_the_newest_and_recomputes_it_without_changing_tok
     back in front of the queue) and recomputed later; greedy and seeded tokens stay those of a roomy pool."""
     art = tiny_artifact(case)
     roomy = {sampled: [o.token_ids for o in run_engine(_backend(art), sampled=sampled)] for sampled in (False, True)}
-    engine = Engine(OrtBackend(art.path, Manifest.load(art.path), num_blocks=30), prefill_chunk=5)
+    engine = Engine(OrtBackend(art.path, Manifest.load(art.path), num_blocks=30), prefill_chunk=5, speculation="always")
     prompts = _prompts(engine.manifest.vocab_size)
     params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, **_sampling(i % 2 == 1, i)) for i in range(4)]
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]

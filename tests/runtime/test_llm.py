@@ -49,9 +49,11 @@ def artifact(tiny_artifact, tmp_path_factory):
     return _copy(tiny_artifact(CASE).path, tmp_path_factory.mktemp("llm") / "artifact")
 
 
+# The tiny random drafts never pay, so speculation="auto" would decode target-only; these tests are about the
+# speculative pipeline (and its seeded outputs, which "auto" lets depend on the batch), so they speculate always.
 @pytest.fixture(scope="module")
 def llm(artifact) -> LLM:
-    return LLM(artifact, num_blocks=128)
+    return LLM(artifact, num_blocks=128, speculation="always")
 
 
 def test_strings_and_id_lists_give_tokens_text_and_metrics(llm: LLM) -> None:
@@ -185,7 +187,7 @@ def test_the_facade_exports_these_classes() -> None:
 
 @pytest.fixture(scope="module")
 def json_llm(tiny_artifact) -> LLM:
-    return LLM(tiny_artifact(CASE + JSON_SUFFIX).path, num_blocks=96)
+    return LLM(tiny_artifact(CASE + JSON_SUFFIX).path, num_blocks=96, speculation="always")
 
 
 def test_stream_yields_the_text_as_it_is_committed(json_llm: LLM) -> None:
@@ -284,7 +286,7 @@ class Recording:
 
 
 def test_thinking_rows_relax_only_when_the_request_opts_in(tiny_artifact, artifact) -> None:
-    llm = LLM(tiny_artifact(CASE + JSON_SUFFIX).path, num_blocks=64)
+    llm = LLM(tiny_artifact(CASE + JSON_SUFFIX).path, num_blocks=64, speculation="always")
     assert (llm.manifest.tokenizer.think_start_id, llm.manifest.tokenizer.think_end_id) == (THINK, END_THINK)
     recording = llm.engine.backend = Recording(llm.engine.backend)
     thinking_prompt = [5, 6, THINK, 7]
@@ -293,7 +295,8 @@ def test_thinking_rows_relax_only_when_the_request_opts_in(tiny_artifact, artifa
                   SamplingParams(max_tokens=6, ignore_eos=True, seed=1),
                   SamplingParams(max_tokens=6, ignore_eos=True, relaxed_thinking=True, seed=1)])
     assert recording.thinking[0] == [True, False, False]          # opted in and inside <think> ... </think>
-    assert all(row[1:] == [False, False] for row in recording.thinking)
+    # (while all three run: the opted-in row may accept more drafts and finish first)
+    assert all(row[1:] == [False, False] for row in recording.thinking if len(row) == 3)
     with pytest.raises(InvalidRequestError, match="relaxed_thinking needs the tokenizer's <think> and </think>"):
         LLM(artifact, num_blocks=16).generate([[1, 2]], SamplingParams(relaxed_thinking=True))
 
@@ -318,7 +321,7 @@ class Failing:
 
 
 def test_a_failing_step_fails_the_call_and_the_llm_keeps_serving(artifact) -> None:
-    llm = LLM(artifact, num_blocks=32)
+    llm = LLM(artifact, num_blocks=32, speculation="always")       # Failing wraps the speculative graph only
     want = llm.generate([[5, 6, 7], [8]], GREEDY)
     failing = llm.engine.backend = Failing(llm.engine.backend)
     with pytest.raises(RuntimeError, match="device lost"):

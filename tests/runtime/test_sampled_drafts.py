@@ -61,7 +61,7 @@ def expected_marginals(target_dir: str, prompt: list[int]) -> list[np.ndarray]:
 
 def run_pipeline(artifact: Path, prompt: list[int], num_requests: int) -> tuple[np.ndarray, float]:
     """(committed tokens [N, 3], share of first decode steps that accepted draft 0)."""
-    llm = LLM(artifact, num_threads=1)
+    llm = LLM(artifact, num_threads=1, speculation="always")      # the drafts must be verified, paying or not
     t, k, p, m = SETTING
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=10_000 + i, max_tokens=NEW_TOKENS,
                              ignore_eos=True) for i in range(num_requests)]

@@ -1,0 +1,161 @@
+"""Adaptive speculation: the policy's choices (runtime/speculation.py) and the engine switching graphs.
+
+Policy: forced modes, exploration of unmeasured step kinds, the cost rule (accepted length against the
+measured step-time ratio), dwell and probes. Engine, on tiny artifacts with a target-only graph: steps
+alternating between the graphs in a fixed pattern give the same greedy tokens as always speculating,
+and a row that decoded target-only is recomputed before it speculates again, so its draft KV ends up
+equal to the always-speculating run's, position by position.
+"""
+
+from __future__ import annotations
+
+from itertools import cycle
+
+import numpy as np
+import pytest
+
+from runtime import speculation as sp
+from runtime.backends.ort import OrtBackend
+from runtime.engine import Engine
+from runtime.errors import InvalidRequestError
+from runtime.manifest import DRAFT_KV_POOL, Manifest
+from runtime.noise import RequestNoise
+from runtime.sampling_params import SamplingParams
+from runtime.sequence import SequenceState
+
+SPEC, ONLY = sp.SPECULATIVE, sp.TARGET_ONLY
+
+
+def _row(temperature: float = 0.0, accepted: tuple[int, ...] = ()) -> SequenceState:
+    seq = SequenceState(0, [1, 2], SamplingParams(temperature=temperature), 8, RequestNoise(0))
+    seq.accepted = list(accepted)
+    return seq
+
+
+def _measured(policy: sp.SpeculationPolicy, batch: int, spec_s: float, only_s: float, sampled: bool = False) -> None:
+    policy.step_s[(SPEC, sp._bucket(batch), sampled)] = spec_s
+    policy.step_s[(ONLY, sp._bucket(batch), sampled)] = only_s
+
+
+def test_forced_modes_and_artifacts_without_a_target_only_graph() -> None:
+    rows = [_row()]
+    assert sp.SpeculationPolicy("always", k=3, has_target_only=True).choose(rows) == SPEC
+    assert sp.SpeculationPolicy("never", k=3, has_target_only=True).choose(rows) == ONLY
+    assert sp.SpeculationPolicy("auto", k=3, has_target_only=False).choose(rows) == SPEC   # nothing else to run
+    assert sp.SpeculationPolicy("never", k=0, has_target_only=False).choose(rows) == ONLY  # `none`: one graph
+    with pytest.raises(InvalidRequestError, match="re-export"):
+        sp.SpeculationPolicy("never", k=3, has_target_only=False)
+    with pytest.raises(InvalidRequestError, match="auto, always, never"):
+        sp.SpeculationPolicy("sometimes", k=3, has_target_only=True)
+
+
+def test_unmeasured_kinds_are_explored_then_the_cost_rule_decides() -> None:
+    policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
+    rows = [_row(accepted=(0, 0, 1))] * 4
+    assert policy.choose(rows) == SPEC                                     # nothing measured: the current mode
+    policy.record(SPEC, rows, 2.0e-3, True, [(r, 0) for r in rows] * 5)   # and rows of this kind accept ~0
+    assert policy.choose(rows) == ONLY                                     # target-only not measured here yet
+    policy.record(ONLY, rows, 1.0e-3, True, [])
+    for _ in range(sp.MIN_DWELL - 1):
+        assert policy.choose(rows) == ONLY                                 # a decision holds MIN_DWELL steps
+    # accepted length ~1.3 against a 2x step: target-only; with acceptance 3 of 3 speculation wins
+    assert policy.choose(rows) == ONLY
+    assert policy.choose([_row(accepted=(3,) * 8)] * 4) == SPEC
+    assert policy.counts == {SPEC: 1, ONLY: 1}                             # record() counts the steps run
+
+
+def test_batch_buckets_and_sampled_steps_are_measured_apart() -> None:
+    policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
+    greedy, sampled = [_row(accepted=(2,) * 8)], [_row(0.7, accepted=(2,) * 8)]
+    _measured(policy, 1, 2.0e-3, 1.0e-3)                                    # greedy, batch 1: 3 tokens / 2x
+    assert policy.choose(greedy) == SPEC
+    assert policy.choose(sampled) == SPEC and (SPEC, 1, True) not in policy.step_s   # explored, not known
+    assert [sp._bucket(b) for b in (1, 2, 3, 4, 15, 16, 17)] == [1, 2, 2, 4, 8, 16, 16]
+
+
+def test_target_only_mode_probes_speculation_now_and_then() -> None:
+    policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
+    rows = [_row(accepted=(0,) * 8)]
+    _measured(policy, 1, 3.0e-3, 1.0e-3)
+    kinds = [policy.choose(rows) for _ in range(sp.PROBE_INTERVAL + sp.MIN_DWELL + 2)]
+    assert kinds[:sp.MIN_DWELL] == [ONLY] * sp.MIN_DWELL
+    assert SPEC in kinds[sp.PROBE_INTERVAL - 2:], "a probe of speculation after PROBE_INTERVAL target-only steps"
+
+
+def test_rows_start_from_the_engine_wide_acceptance_of_their_kind() -> None:
+    policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
+    assert policy.expected_accepted(_row()) == 3.0                         # nothing seen: optimistic (K)
+    policy.record(SPEC, [], 1e-3, False, [(_row(), 1)] * 50 + [(_row(0.7), 0)] * 50)
+    assert policy.expected_accepted(_row()) == pytest.approx(1.0, abs=0.05)
+    assert policy.expected_accepted(_row(0.7)) == pytest.approx(0.0, abs=0.05)
+    assert policy.expected_accepted(_row(accepted=(3,) * 8)) > 2.5         # a row's own steps dominate
+
+
+class Pattern:
+    """A policy stub: the step kinds of a fixed cycle."""
+
+    def __init__(self, kinds: list[str]) -> None:
+        self.kinds, self.counts = cycle(kinds), {}
+
+    def choose(self, rows) -> str:
+        return next(self.kinds)
+
+    def record(self, *args) -> None:
+        pass
+
+
+def _engine(path, pattern: list[str] | None) -> Engine:
+    backend = OrtBackend(path, Manifest.load(path), num_blocks=128, num_threads=1)
+    engine = Engine(backend, speculation="always")
+    if pattern is not None:
+        engine.policy = Pattern(pattern)
+    return engine
+
+
+def _run(engine: Engine, prompts: list[list[int]], steps: int | None = None, temperature: float = 0.0) -> dict:
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(max_tokens=40, temperature=temperature, seed=i, ignore_eos=True), i)
+    done, count = {}, 0
+    while engine.has_unfinished() and (steps is None or count < steps):
+        done.update({o.request_id: o.token_ids for o in engine.step()})
+        count += 1
+    return done
+
+
+def _draft_rows(engine: Engine, request_id: int, upto: int) -> np.ndarray:
+    """The draft pool's rows of positions 0 .. upto - 1 of a running request: [upto, Ld, Wd]."""
+    table, bs = engine.blocks.table(request_id), engine.manifest.block_size
+    pool = engine.backend.pools[DRAFT_KV_POOL]
+    return np.stack([pool[table[p // bs], :, p % bs] for p in range(upto)])
+
+
+PATTERN = [SPEC, ONLY, ONLY, ONLY, SPEC, SPEC, ONLY, SPEC]
+
+
+@pytest.mark.parametrize("case", ["llama3-eagle3", "llama3-dflash"])
+def test_switching_graphs_keeps_greedy_tokens_and_recomputes_draft_kv(tiny_artifact, case: str) -> None:
+    art = tiny_artifact(case)
+    assert Manifest.load(art.path).target_only is not None
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3] * 13, list(range(1, 30))]
+    want = _run(_engine(art.path, None), prompts)
+    assert _run(_engine(art.path, PATTERN), prompts) == want
+    assert _run(_engine(art.path, [ONLY]), prompts) == want                # target-only all along
+    always, switching = _engine(art.path, None), _engine(art.path, PATTERN + [SPEC, SPEC])
+    _run(always, prompts, steps=12)
+    _run(switching, prompts, steps=len(PATTERN) + 2)                       # ends on speculative steps
+    for seq in switching.running:
+        assert seq.draft_len == seq.cache_len                              # recomputed before speculating
+        other = next(s for s in always.running if s.request_id == seq.request_id)
+        upto = min(seq.draft_len, other.draft_len)
+        assert upto > len(prompts[seq.request_id])
+        np.testing.assert_allclose(_draft_rows(switching, seq.request_id, upto),
+                                   _draft_rows(always, seq.request_id, upto), atol=1e-4, rtol=1e-4)
+
+
+def test_auto_mode_counts_and_times_both_graphs(tiny_artifact) -> None:
+    art = tiny_artifact("llama3-eagle3")
+    engine = Engine(OrtBackend(art.path, Manifest.load(art.path), num_blocks=128, num_threads=1))
+    _run(engine, [[5, 6, 7], [9] * 10], temperature=0.8)
+    counts, t = engine.policy.counts, engine.timings
+    assert counts[SPEC] >= 1 and counts[ONLY] >= 1                          # both explored
+    assert t.target_only_steps == counts[ONLY] and t.steps == sum(counts.values())
