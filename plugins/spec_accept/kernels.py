@@ -9,6 +9,9 @@ rejected draft (later positions cannot change the result):
                   threshold = min(max(k-th largest p, top-p floor, min_p * p_max), p_max)
                   candidate = inverse-CDF sample of p * [p >= threshold] with noise[b, i, 0]
                   accepted  = draft == candidate, or (thinking row) the relaxed rule on untempered softmax
+    with draft_probs (sampled drafts, rejection): q = the row's q_i renormalized (onehot(draft) when
+                  q(draft) = 0); accepted = u * q(draft) < p~(draft) with u = noise[b, i, 0]; candidate =
+                  inverse-CDF sample of max(0, p~ - q) (p~ when that is all zero) with noise[b, i, 1]
     -1 drafts and grammar-forbidden drafts are never accepted; next token = candidate where it stopped.
 
 Everything runs in Triton; nothing is sorted. A QDP AOT plugin launches exactly one kernel, so the sort the
@@ -33,7 +36,8 @@ from plugins.spec_accept import acceptance, truncation
 
 # The reference's own constants, wrapped as constexpr so kernels may read them.
 GREEDY_TEMPERATURE = tl.constexpr(truncation.GREEDY_TEMPERATURE)
-NOISE_TARGET = tl.constexpr(acceptance.NOISE_TARGET)   # the channel sample-and-match reads
+NOISE_TARGET = tl.constexpr(acceptance.NOISE_TARGET)   # sample-and-match's sample, rejection's coin
+NOISE_RESIDUAL = tl.constexpr(acceptance.NOISE_RESIDUAL)   # rejection's recovered token
 
 
 @triton.jit
@@ -155,9 +159,9 @@ def _inverse_cdf(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, thres
 
 
 @triton.jit
-def _sample(row_ptr, mask_ptr, vocab_size, use_mask, temperature, top_k, top_p, min_p, uniform, best,
-            HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Inverse-CDF sample of the truncated distribution (truncation.py), float64 throughout."""
+def _truncation(row_ptr, mask_ptr, vocab_size, use_mask, temperature, top_k, top_p, min_p, best,
+                HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(1/T, max scaled logit, softmax normalizer, keep threshold, kept mass) of truncation.py, float64."""
     inv_t = 1.0 / temperature.to(tl.float64)
     s_max = best.to(tl.float64) * inv_t
     z = tl.zeros((), tl.float64)
@@ -177,11 +181,66 @@ def _sample(row_ptr, mask_ptr, vocab_size, use_mask, temperature, top_k, top_p, 
                                top_p.to(tl.float64) * total, p_max, HAS_BITMASK, BLOCK_V)
     threshold = tl.minimum(tl.maximum(tl.maximum(kth, floor), min_p.to(tl.float64) * p_max), p_max)
     kept, _ = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, HAS_BITMASK, BLOCK_V)
+    return inv_t, s_max, z, threshold, kept
+
+
+@triton.jit
+def _sample(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, kept, uniform,
+            HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Inverse-CDF sample of the truncated distribution (truncation.py), float64 throughout."""
     cdf_total, _, _ = _inverse_cdf(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, kept,
                                    2.0, HAS_BITMASK, BLOCK_V)
     _, index, last = _inverse_cdf(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, kept,
                                   uniform.to(tl.float64) * cdf_total, HAS_BITMASK, BLOCK_V)
     return tl.minimum(index, last)
+
+
+@triton.jit
+def _residual_scan(row_ptr, mask_ptr, q_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, kept, draft,
+                   onehot, q_total, use_target, target, HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Scan w = max(0, p~ - q) (or p~ itself when use_target): (total, #{cdf <= target}, last id with w > 0)."""
+    carry = tl.zeros((), tl.float64)
+    count = tl.zeros((), tl.int64)
+    last = tl.zeros((), tl.int64)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V)
+        p = _probs(row_ptr, mask_ptr, v, vocab_size, use_mask, inv_t, s_max, z, HAS_BITMASK)
+        target_p = tl.where(p >= threshold, p, 0.0) / kept
+        q = tl.load(q_ptr + v, mask=v < vocab_size, other=0.0).to(tl.float64) / q_total
+        q = tl.where(onehot, tl.where(v == draft, 1.0, 0.0), q)
+        w = tl.where(use_target, target_p, tl.maximum(target_p - q, 0.0))
+        w = tl.where(v < vocab_size, w, 0.0)
+        cdf = carry + tl.cumsum(w, axis=0)
+        count += tl.sum(((cdf <= target) & (v < vocab_size)).to(tl.int64), axis=0)
+        last = tl.maximum(last, tl.max(tl.where(w > 0, v, 0), axis=0).to(tl.int64))
+        carry = tl.max(tl.where(v < vocab_size, cdf, 0.0), axis=0)
+    return carry, count, last
+
+
+@triton.jit
+def _rejection(row_ptr, mask_ptr, q_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, kept, draft, coin,
+               uniform, HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """acceptance.rejection_verdict for one position: (accepted, recovered token)."""
+    q_total = tl.zeros((), tl.float64)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V)
+        q_total += tl.sum(tl.load(q_ptr + v, mask=v < vocab_size, other=0.0).to(tl.float64), axis=0)
+    q_draft = tl.load(q_ptr + draft).to(tl.float64)
+    onehot = q_draft <= 0.0                                 # a draft q cannot have drawn: deterministic
+    q_d = tl.where(onehot, 1.0, q_draft / tl.where(onehot, 1.0, q_total))
+    q_total = tl.where(onehot, 1.0, q_total)
+    p_draft = _probs(row_ptr, mask_ptr, draft, vocab_size, use_mask, inv_t, s_max, z, HAS_BITMASK)
+    p_draft = tl.where(p_draft >= threshold, p_draft, 0.0) / kept
+    accepted = coin.to(tl.float64) * q_d < p_draft
+    mass, _, _ = _residual_scan(row_ptr, mask_ptr, q_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, kept,
+                                draft, onehot, q_total, False, 2.0, HAS_BITMASK, BLOCK_V)
+    use_target = mass <= 0.0
+    total, _, _ = _residual_scan(row_ptr, mask_ptr, q_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold,
+                                 kept, draft, onehot, q_total, use_target, 2.0, HAS_BITMASK, BLOCK_V)
+    _, index, last = _residual_scan(row_ptr, mask_ptr, q_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold,
+                                    kept, draft, onehot, q_total, use_target, uniform.to(tl.float64) * total,
+                                    HAS_BITMASK, BLOCK_V)
+    return accepted, tl.minimum(index, last)
 
 
 @triton.jit
@@ -209,9 +268,10 @@ def _draft_logit(row_ptr, mask_ptr, draft, use_mask, HAS_BITMASK: tl.constexpr):
 
 
 @triton.jit
-def _verdict(logits_ptr, draft_tokens_ptr, top_k_ptr, top_p_ptr, min_p_ptr, noise_ptr, bitmask_ptr, b, i,
-             temperature, greedy, thinking, vocab_size, num_channels, num_words, K: tl.constexpr,
-             HAS_BITMASK: tl.constexpr, TOP_N: tl.constexpr, DELTA: tl.constexpr, BLOCK_V: tl.constexpr):
+def _verdict(logits_ptr, draft_tokens_ptr, top_k_ptr, top_p_ptr, min_p_ptr, noise_ptr, bitmask_ptr, probs_ptr,
+             b, i, temperature, greedy, thinking, vocab_size, num_channels, num_words, K: tl.constexpr,
+             HAS_BITMASK: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr, TOP_N: tl.constexpr, DELTA: tl.constexpr,
+             BLOCK_V: tl.constexpr):
     """Position i of row b: (draft i accepted, candidate = the recovered or bonus token if it stops here)."""
     position = b * (K + 1) + i
     row_ptr = logits_ptr + position * vocab_size
@@ -221,17 +281,30 @@ def _verdict(logits_ptr, draft_tokens_ptr, top_k_ptr, top_p_ptr, min_p_ptr, nois
         use_mask = _satisfiable(mask_ptr, vocab_size, BLOCK_V)
     best, argmax = _max_argmax(row_ptr, mask_ptr, vocab_size, use_mask, HAS_BITMASK, BLOCK_V)
     candidate = argmax
-    if greedy == 0:
-        candidate = _sample(row_ptr, mask_ptr, vocab_size, use_mask, temperature, tl.load(top_k_ptr + b),
-                            tl.load(top_p_ptr + b), tl.load(min_p_ptr + b),
-                            tl.load(noise_ptr + position * num_channels + NOISE_TARGET), best, HAS_BITMASK,
-                            BLOCK_V)
-    accepted = tl.zeros((), tl.int1)
+    draft = tl.full((), -1, tl.int64)
     if i < K:
         draft = tl.load(draft_tokens_ptr + b * K + i)
-        clamped = tl.maximum(draft, 0)
+    clamped = tl.maximum(draft, 0)
+    rejection_done = tl.zeros((), tl.int1)
+    rejection_accepted = tl.zeros((), tl.int1)
+    if greedy == 0:
+        inv_t, s_max, z, threshold, kept = _truncation(
+            row_ptr, mask_ptr, vocab_size, use_mask, temperature, tl.load(top_k_ptr + b), tl.load(top_p_ptr + b),
+            tl.load(min_p_ptr + b), best, HAS_BITMASK, BLOCK_V)
+        noise = noise_ptr + position * num_channels
+        if HAS_DRAFT_PROBS & (draft >= 0):
+            rejection_accepted, candidate = _rejection(
+                row_ptr, mask_ptr, probs_ptr + (b * K + i) * vocab_size, vocab_size, use_mask, inv_t, s_max, z,
+                threshold, kept, clamped, tl.load(noise + NOISE_TARGET), tl.load(noise + NOISE_RESIDUAL),
+                HAS_BITMASK, BLOCK_V)
+            rejection_done = rejection_done | (draft >= 0)
+        else:
+            candidate = _sample(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, kept,
+                                tl.load(noise + NOISE_TARGET), HAS_BITMASK, BLOCK_V)
+    accepted = tl.zeros((), tl.int1)
+    if i < K:
         draft_logit = _draft_logit(row_ptr, mask_ptr, clamped, use_mask, HAS_BITMASK)
-        accepted = clamped == candidate
+        accepted = tl.where(rejection_done, rejection_accepted, clamped == candidate)
         if (greedy == 0) & thinking:
             accepted = accepted | _relaxed(row_ptr, mask_ptr, vocab_size, use_mask, best, draft_logit, TOP_N,
                                            DELTA, HAS_BITMASK, BLOCK_V)
@@ -242,11 +315,11 @@ def _verdict(logits_ptr, draft_tokens_ptr, top_k_ptr, top_p_ptr, min_p_ptr, nois
 @triton.jit
 def spec_accept_kernel(
     logits_ptr, draft_tokens_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, noise_ptr, thinking_ptr,
-    bitmask_ptr, vocab_size, num_channels, num_words, num_accepted_ptr, next_tokens_ptr,
-    K: tl.constexpr, HAS_BITMASK: tl.constexpr, TOP_N: tl.constexpr, DELTA: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    bitmask_ptr, probs_ptr, vocab_size, num_channels, num_words, num_accepted_ptr, next_tokens_ptr,
+    K: tl.constexpr, HAS_BITMASK: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr, TOP_N: tl.constexpr,
+    DELTA: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """One row per program. The TensorRT plugin's ABI: the node's 9 inputs, int32 sizes, 2 outputs."""
+    """One row per program. The TensorRT plugin's ABI: the node's 10 inputs, int32 sizes, 2 outputs."""
     b = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temperature_ptr + b)
     greedy = temperature < GREEDY_TEMPERATURE
@@ -256,8 +329,9 @@ def spec_accept_kernel(
     go = tl.full((), 1, tl.int1)
     while go:
         accepted, next_token = _verdict(logits_ptr, draft_tokens_ptr, top_k_ptr, top_p_ptr, min_p_ptr, noise_ptr,
-                                        bitmask_ptr, b, i, temperature, greedy, thinking, vocab_size,
-                                        num_channels, num_words, K, HAS_BITMASK, TOP_N, DELTA, BLOCK_V)
+                                        bitmask_ptr, probs_ptr, b, i, temperature, greedy, thinking, vocab_size,
+                                        num_channels, num_words, K, HAS_BITMASK, HAS_DRAFT_PROBS, TOP_N, DELTA,
+                                        BLOCK_V)
         i = tl.where(accepted, i + 1, i)
         go = accepted
     tl.store(num_accepted_ptr + b, i)
@@ -274,6 +348,7 @@ def spec_accept(
     noise: torch.Tensor,              # [B, K+1, C] float32
     in_thinking_phase: torch.Tensor,  # [B] bool
     token_bitmask: torch.Tensor | None = None,  # [B, K+1, ceil(V/32)] int32
+    draft_probs: torch.Tensor | None = None,    # [B, K, V] float32
     *,
     num_drafts: int,
     relaxed_top_n: int,
@@ -288,12 +363,14 @@ def spec_accept(
     args = [t.contiguous() for t in (logits, draft_tokens, temperature, top_k, top_p, min_p, noise,
                                      in_thinking_phase)]
     mask = logits if token_bitmask is None else token_bitmask.contiguous()   # never read without a bitmask
+    probs = logits if draft_probs is None or num_drafts == 0 else draft_probs.contiguous()   # likewise
     num_accepted = torch.empty(batch, dtype=torch.int64, device=logits.device)
     next_tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch:
         spec_accept_kernel[(batch,)](
-            *args, mask, vocab_size, noise.shape[2], 0 if token_bitmask is None else token_bitmask.shape[2],
+            *args, mask, probs, vocab_size, noise.shape[2], 0 if token_bitmask is None else token_bitmask.shape[2],
             num_accepted, next_tokens, K=num_drafts, HAS_BITMASK=token_bitmask is not None,
+            HAS_DRAFT_PROBS=draft_probs is not None and num_drafts > 0,
             TOP_N=int(relaxed_top_n), DELTA=float(relaxed_delta),
             BLOCK_V=min(block_v, triton.next_power_of_2(vocab_size)))
     return num_accepted, next_tokens

@@ -286,20 +286,29 @@ def drafts_for(inputs: dict[str, torch.Tensor], g: torch.Generator) -> torch.Ten
     return drafts
 
 
-def check_spec_accept(name: str, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel tokens == reference tokens for every row; returns the reference's (num_accepted, strict-only
-    num_accepted) for coverage checks."""
+def draft_probs_for(inputs: dict[str, torch.Tensor], seed: int) -> torch.Tensor:
+    """q of sampled drafts [B, K, V] float32: near the target, a tenth of the tokens (drafts included) at 0."""
+    g = torch.Generator().manual_seed(seed)
+    logits = inputs["logits"][:, :-1].float().cpu()
+    q = torch.softmax(logits + torch.randn(logits.shape, generator=g), dim=-1)
+    return (q * (torch.rand(logits.shape, generator=g) > 0.1)).to(inputs["logits"].device)
+
+
+def check_spec_accept(name: str, device: str, rejection: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel tokens == reference tokens for every row (with `rejection`, of drafts sampled from a q: the
+    draft_probs input); returns the reference's (num_accepted, strict-only num_accepted) for coverage checks."""
     from plugins.spec_accept import kernels
 
     inputs = accept_inputs(name, device)
     args = [inputs[key] for key in ("logits", "draft_tokens", "temperature", "top_k", "top_p", "min_p", "noise",
                                     "in_thinking_phase")]
     bitmask, k = inputs.get("token_bitmask"), inputs["draft_tokens"].shape[1]
-    want = accept_reference.spec_accept(*args, bitmask, num_drafts=k, **RELAXED)
-    got = kernels.spec_accept(*args, bitmask, num_drafts=k, **RELAXED, block_v=ACCEPT_CASES[name][7])
+    probs = draft_probs_for(inputs, ACCEPT_CASES[name][0]) if rejection else None
+    want = accept_reference.spec_accept(*args, bitmask, probs, num_drafts=k, **RELAXED)
+    got = kernels.spec_accept(*args, bitmask, probs, num_drafts=k, **RELAXED, block_v=ACCEPT_CASES[name][7])
     for g, w, what in zip(got, want, ("num_accepted", "next_tokens")):
         assert torch.equal(g, w), f"SpecAccept {name} {what}: kernel {g.tolist()} reference {w.tolist()}"
-    strict = accept_reference.spec_accept(*args, bitmask, num_drafts=k, relaxed_top_n=0, relaxed_delta=0.0)
+    strict = accept_reference.spec_accept(*args, bitmask, probs, num_drafts=k, relaxed_top_n=0, relaxed_delta=0.0)
     return want[0].cpu(), strict[0].cpu()
 
 
@@ -316,3 +325,4 @@ def run_all(device: str, dtypes: Sequence[torch.dtype] = (torch.float32,)) -> No
     check_mla_pool(device)
     for name in ACCEPT_CASES:
         check_spec_accept(name, device)
+        check_spec_accept(name, device, rejection=True)

@@ -31,7 +31,7 @@ CASES: dict[str, tuple[Any, ...]] = {
     "unispec::SpecAccept": (
         [(("B", 4, "V"), F), (("B", 3), I64), (("B",), fake.TYPES["FLOAT"]), (("B",), I64),
          (("B",), fake.TYPES["FLOAT"]), (("B",), fake.TYPES["FLOAT"]), (("B", 4, 3), fake.TYPES["FLOAT"]),
-         (("B",), fake.TYPES["BOOL"]), (("B", 4, "W"), fake.TYPES["INT32"])],
+         (("B",), fake.TYPES["BOOL"]), (("B", 4, "W"), fake.TYPES["INT32"]), (("B", 3, "V"), fake.TYPES["FLOAT"])],
         dict(num_drafts=3, relaxed_top_n=10, relaxed_delta=0.6), [("B",), ("B",)], (1, 1), ["V", 3, "W"]),
 }
 ONNX_MODULES = {"unispec::PagedAttention": "plugins.paged_attention.onnx",

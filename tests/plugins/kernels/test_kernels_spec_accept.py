@@ -1,6 +1,6 @@
 """SpecAccept's Triton kernel gives exactly the reference's tokens (acceptance.verify) for the
 same noise, row by row, in the interpreter on CPU: K = 0, 1, 2, 3, 4, 7; greedy and sampled rows with top-k /
-top-p / min-p on and off; thinking rows (relaxed acceptance); -1 drafts; grammar bitmasks (one allowing
+top-p / min-p on and off; argmax drafts (sample-and-match) and sampled drafts with their q (rejection); thinking rows (relaxed acceptance); -1 drafts; grammar bitmasks (one allowing
 nothing); tied logits; float16 logits; a vocabulary spanning several tiles."""
 
 from __future__ import annotations
@@ -22,6 +22,13 @@ def test_kernel_matches_reference(name: str, outcomes) -> None:
     outcomes[name] = cases.check_spec_accept(name, "cpu")
 
 
+@pytest.mark.parametrize("name", [n for n, case in cases.ACCEPT_CASES.items() if case[2] > 0])
+def test_kernel_matches_reference_on_sampled_drafts(name: str) -> None:
+    """draft_probs present: rejection sampling (acceptance.rejection_verdict) position by position."""
+    accepted, _ = cases.check_spec_accept(name, "cpu", rejection=True)
+    assert (accepted > 0).any() or cases.ACCEPT_CASES[name][1] < 10
+
+
 def test_cases_cover_the_verdicts(outcomes) -> None:
     """>= 100 rows, and the interesting verdicts all occur (else the equality above proves little)."""
     if len(outcomes) < len(cases.ACCEPT_CASES):
@@ -41,4 +48,5 @@ def test_cases_cover_the_verdicts(outcomes) -> None:
 def test_kernel_on_gpu() -> None:
     run_clean("from tests.plugins.kernels import cases\n"
               "for name in cases.ACCEPT_CASES:\n"
-              "    cases.check_spec_accept(name, 'cuda')\n")
+              "    cases.check_spec_accept(name, 'cuda')\n"
+              "    cases.check_spec_accept(name, 'cuda', rejection=True)\n")

@@ -89,6 +89,7 @@ def check_moe() -> None:
 
 def check_spec_accept() -> None:
     inputs = cases.accept_inputs("k3_masked_ties", "cuda")
+    inputs["draft_probs"] = cases.draft_probs_for(inputs, 0)          # the plugin's fixed 10 inputs: rejection
     k = inputs["draft_tokens"].shape[1]
     attrs = dict(num_drafts=k, **cases.RELAXED)
     got = run_plugin(trtp.op.unispec.SpecAccept, inputs, attrs, 2)
