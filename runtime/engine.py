@@ -227,7 +227,11 @@ class Engine:
     def _feeds(self, plan: Plan, k: int, names: frozenset[str]) -> dict[str, np.ndarray]:
         """The step's inputs for a graph with K = `k` drafts per row (the artifact's, or 0: target-only)."""
         view, batch = self.buffers.view, len(plan)
-        tables = [self.blocks.table(seq.request_id) for seq in plan]
+        # Only the blocks this step can touch (cache + fed tokens + the graph's reach): attention gathers every
+        # block of the table, and a target-only step reaches 2K positions less than the rows hold blocks for.
+        bs, reach = self.manifest.block_size, io.step_reach(k)
+        tables = [self.blocks.table(seq.request_id)[:-(-(seq.cache_len + n + reach) // bs)]
+                  for seq, n in plan.items()]
         f = {io.ROW_OFFSETS: view(io.ROW_OFFSETS, (batch + 1,)),
              io.BLOCK_TABLE: view(io.BLOCK_TABLE, (batch, max(len(t) for t in tables))),
              io.DRAFT_TOKENS: view(io.DRAFT_TOKENS, (batch, k))}

@@ -6,14 +6,17 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
 
 - t_spec(B), t_target(B): this engine's own measured wall time of decode steps (every row decoding) of
   each graph, per batch-size bucket (powers of two) and per kind of step (greedy only, or some row
-  sampling: sampled steps cost more); exponential moving averages. A pair not measured yet is explored.
+  sampling: sampled steps cost more). Noise on a shared machine only ever adds time, and a session's
+  first runs are slow (ORT plans its memory), so the estimate follows a faster step at once and a
+  slower one by an exponential moving average. A pair not measured yet is explored.
 - expected accepted drafts: each row's mean over its last ROW_WINDOW verified steps, pulled towards the
   engine-wide mean of rows of its kind (greedy / sampled) while it has few, so new rows start informed.
 - switching: the target-only graph leaves the draft pool alone, so a row that decoded target-only is
   recomputed (from its first position without draft KV) before it speculates again, and its first
-  speculative step has no drafts to verify. A decision therefore holds for MIN_DWELL steps, leaving the
-  current mode needs a HYSTERESIS margin, and in target-only mode acceptance (which only speculative
-  steps measure) is probed again only every PROBE_INTERVAL steps.
+  speculative step has no drafts to verify. A decision therefore holds for MIN_DWELL steps, resuming
+  speculation needs a gain of 1 + ENTER_MARGIN (leaving it, below 1 - LEAVE_MARGIN), and the other mode
+  is probed again only every PROBE_INTERVAL steps (in target-only mode that is also what refreshes
+  acceptance, which only speculative steps measure).
 
 Peers: vLLM turns speculation off above a batch size (`speculative_disable_by_batch_size`); TRT-LLM and
 SGLang adapt the draft length to the batch. Here the switch is whole-step, costed, and per artifact.
@@ -33,11 +36,12 @@ __all__ = ["MODES", "SPECULATIVE", "TARGET_ONLY", "SpeculationPolicy"]
 MODES = ("auto", "always", "never")
 SPECULATIVE, TARGET_ONLY = "speculative", "target-only"     # the two kinds of step (metrics keys)
 EMA = 0.2                  # weight of a new step time
-HYSTERESIS = 0.05          # relative margin to leave the current mode
+LEAVE_MARGIN = 0.05        # relative gain below 1 that ends speculation
+ENTER_MARGIN = 0.25        # ... above 1 that resumes it: it pays a recompute and a step without drafts first
 MIN_DWELL = 4              # steps a decision holds
 ROW_WINDOW = 8             # a row's recent verified steps its acceptance estimate averages
-PRIOR_WEIGHT = 2.0         # how many steps the engine-wide mean counts for in a row's estimate
-PROBE_INTERVAL = 256       # target-only steps between probes of speculation
+PRIOR_WEIGHT = 4.0         # how many steps the engine-wide mean counts for in a row's estimate
+PROBE_INTERVAL = 1024      # steps in one mode between probes of the other
 
 
 class SpeculationPolicy:
@@ -68,11 +72,11 @@ class SpeculationPolicy:
             self._dwell -= 1
             return self.current
         kind = self._best(rows)
-        if kind == TARGET_ONLY:
-            self._since_probe += 1
-            if self._since_probe >= PROBE_INTERVAL:
-                self._since_probe, kind = 0, SPECULATIVE
+        self._since_probe += 1
+        if kind == self.current and self._since_probe >= PROBE_INTERVAL:
+            kind = _other(kind)
         if kind != self.current:
+            self._since_probe = 0
             self.current, self._dwell = kind, MIN_DWELL - 1
         return kind
 
@@ -83,8 +87,8 @@ class SpeculationPolicy:
                 return kind
         ratio = self.step_s[(SPECULATIVE, bucket, sampled)] / self.step_s[(TARGET_ONLY, bucket, sampled)]
         gain = sum(1.0 + self.expected_accepted(r) for r in rows) / max(len(rows), 1) / ratio
-        margin = HYSTERESIS if self.current == SPECULATIVE else -HYSTERESIS
-        return SPECULATIVE if gain > 1.0 - margin else TARGET_ONLY
+        bar = 1.0 - LEAVE_MARGIN if self.current == SPECULATIVE else 1.0 + ENTER_MARGIN
+        return SPECULATIVE if gain > bar else TARGET_ONLY
 
     def expected_accepted(self, row: SequenceState) -> float:
         """Drafts the row is expected to accept per speculative step."""
@@ -99,8 +103,8 @@ class SpeculationPolicy:
         self.counts[kind] += 1
         if all_decode:
             key = (kind, _bucket(len(rows)), _any_sampled(rows))
-            old = self.step_s.get(key)
-            self.step_s[key] = seconds if old is None else (1 - EMA) * old + EMA * min(seconds, 3 * old)
+            old = self.step_s.get(key, seconds)
+            self.step_s[key] = seconds if seconds < old else (1 - EMA) * old + EMA * min(seconds, 3 * old)
         for row, accepted in verified:
             sampled = not _greedy(row)
             self.prior_seen[sampled] += 1

@@ -88,7 +88,7 @@ def test_rows_start_from_the_engine_wide_acceptance_of_their_kind() -> None:
     policy.record(SPEC, [], 1e-3, False, [(_row(), 1)] * 50 + [(_row(0.7), 0)] * 50)
     assert policy.expected_accepted(_row()) == pytest.approx(1.0, abs=0.05)
     assert policy.expected_accepted(_row(0.7)) == pytest.approx(0.0, abs=0.05)
-    assert policy.expected_accepted(_row(accepted=(3,) * 8)) > 2.5         # a row's own steps dominate
+    assert policy.expected_accepted(_row(accepted=(3,) * 8)) > 2.0         # a row's own steps weigh more
 
 
 class Pattern:
