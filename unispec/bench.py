@@ -15,6 +15,10 @@ and the report keeps every pass and their medians:
   tokens/s = generated tokens / wall time of the pass (prefill included, as for every peer)
   speedup  = the artifact's median tokens/s / this row's, in the same cell
   step ms  = graph (the backend's run) + host (the rest of Engine.step), per step (runtime.engine.StepTimings)
+  mode mix = the share of the artifact's steps that ran its target-only graph (adaptive speculation,
+             --speculation auto; always / never force one graph)
+  expected = accepted length x the baseline's ms per step / the artifact's speculative ms per step: what
+             speculating every step would gain over the baseline, beside the measured speedup
 
 Tables, JSON and the plot are unispec/bench_report.py's.
 """
@@ -60,6 +64,7 @@ class Row:
     passes: list[Pass] = field(default_factory=list)
     why: str | None = None
     speedup: float | None = None             # the artifact's median tokens/s / this row's (same cell)
+    expected_speedup: float | None = None    # the artifact's row: accepted length x baseline / speculative step ms
 
     @property
     def median(self) -> dict[str, Any]:
@@ -77,7 +82,8 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         return {"engine": self.engine, "batch_size": self.batch_size, "temperature": self.temperature,
-                "why": self.why, "speedup": self.speedup, "median": self.median,
+                "why": self.why, "speedup": self.speedup, "expected_speedup": self.expected_speedup,
+                "median": self.median,
                 "runs": [p.figures() for p in self.passes]}
 
 
@@ -100,20 +106,21 @@ class BenchReport:
 class UnispecRunner:
     """An artifact through the runtime's LLM (one LLM for every cell: the warm-up pays its first-run costs)."""
 
-    def __init__(self, artifact_dir: Path, backend: str, threads: int) -> None:
+    def __init__(self, artifact_dir: Path, backend: str, threads: int, *, top_p: float = 1.0,
+                 speculation: str = "auto") -> None:
         from runtime.llm import LLM
 
         options = {"num_threads": threads} if backend == "ort" else {}
-        self.llm = LLM(artifact_dir, backend=backend, **options)
-        self.manifest = self.llm.manifest
+        self.llm = LLM(artifact_dir, backend=backend, speculation=speculation, **options)
+        self.manifest, self.top_p = self.llm.manifest, top_p
         self.name = f"unispec {self.manifest.method} ({backend})"
 
     def run(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> Pass:
         from runtime.sampling_params import SamplingParams
         from runtime.sequence import acceptance_summary
 
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=i)
-                  for i in range(len(prompts))]
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=self.top_p, ignore_eos=True,
+                                 seed=i) for i in range(len(prompts))]
         self.llm.engine.reset_timings()
         started = time.perf_counter()
         outputs = self.llm.generate(prompts, params)
@@ -122,8 +129,8 @@ class UnispecRunner:
         accepted = [a for o in outputs for a in o.metrics.accepted_per_step]     # every decode step, every row
         mean_length, per_position = acceptance_summary(accepted, self.manifest.num_speculative_tokens)
         return Pass(wall_s=wall, tokens=sum(len(o.token_ids) for o in outputs), steps=t.steps, graph_s=t.graph_s,
-                    host_s=t.host_s, mean_accepted_length=mean_length,
-                    acceptance_per_position=per_position)
+                    host_s=t.host_s, mean_accepted_length=mean_length, acceptance_per_position=per_position,
+                    target_only_steps=t.target_only_steps, target_only_s=t.target_only_s)
 
     def close(self) -> None:
         del self.llm
@@ -223,7 +230,10 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda _: N
         notes += check_baseline(manifest, Manifest.load(config.baseline), config.baseline)
     if max(config.batch_sizes) > manifest.max_batch_size:
         notes.append(f"the artifact runs at most {manifest.max_batch_size} rows per step; larger batches queue")
-    runners: list[Runner] = [UnispecRunner(d, config.backend, config.threads)
+    if config.top_p < 1.0 and config.peers:
+        notes.append(f"unispec samples with top-p {config.top_p:g}, the peers without")
+    runners: list[Runner] = [UnispecRunner(d, config.backend, config.threads, top_p=config.top_p,
+                                           speculation=config.speculation)
                              for d in (config.artifact_dir, config.baseline) if d is not None]
     checkpoint = checkpoint_for(config, manifest)
     prompts = encode_prompts(runners[0], load_prompts(find_prompts(config, checkpoint)), config.chat)
@@ -239,7 +249,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda _: N
                     for runner in runners:
                         progress(f"{runner.name}: batch {size}, temperature {temperature:g}")
                         cell.append(measure(runner, batches, temperature, config.max_tokens))
-                    _add_speedups(cell)
+                    _add_speedups(cell, runners[1].name if config.baseline is not None else None)
                     rows += cell
         finally:
             for runner in runners:
@@ -248,10 +258,15 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda _: N
                        machine=machine_info(config.threads), notes=peer_notes + notes)
 
 
-def _add_speedups(cell: list[Row]) -> None:
-    """cell[0] is the artifact: every row that ran gets the artifact's median tokens/s over its own."""
+def _add_speedups(cell: list[Row], baseline: str | None = None) -> None:
+    """cell[0] is the artifact: every row that ran gets the artifact's median tokens/s over its own; the
+    artifact's row, its expected speedup over the `baseline` engine's row."""
     ours = cell[0].median.get("tokens_per_s")
     for row in cell:
         theirs = row.median.get("tokens_per_s")
         if ours and theirs:
             row.speedup = ours / theirs
+    base = next((r for r in cell[1:] if r.engine == baseline and r.passes), None)
+    m = cell[0].median
+    if base is not None and m.get("spec_ms_per_step") and base.median.get("step_ms"):
+        cell[0].expected_speedup = m["mean_accepted_length"] * base.median["step_ms"] / m["spec_ms_per_step"]

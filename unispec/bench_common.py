@@ -30,6 +30,8 @@ class BenchConfig:
     checkpoint: Path | None = None           # HF checkpoint for the peers; default: the manifest's target_checkpoint
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     temperatures: tuple[float, ...] = (0.0, 0.7)
+    top_p: float = 1.0                       # unispec's sampled rows (peers sample without top-p)
+    speculation: str = "auto"                # the artifact's engine: auto | always | never (runtime/speculation.py)
     repeats: int = 3
     max_tokens: int = 64
     threads: int | None = None               # intra-op threads of every engine; None: all cores
@@ -50,6 +52,10 @@ class BenchConfig:
                              ("--max-tokens", (self.max_tokens,)), ("--threads", (self.threads,))):
             if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
                 raise InvalidRequestError(f"{flag} needs integers >= 1, got {','.join(map(str, values)) or '(none)'}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"--top-p needs a value in (0, 1] (1 = off), got {self.top_p}")
+        if self.speculation not in ("auto", "always", "never"):
+            raise InvalidRequestError(f"--speculation {self.speculation!r}: use auto, always or never")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise InvalidRequestError(f"--temperature needs values >= 0 (0 = greedy), got {self.temperatures}")
         unknown = sorted(set(self.peers) - {"transformers", "ort-genai"})
@@ -69,6 +75,8 @@ class Pass:
     host_s: float | None = None
     mean_accepted_length: float | None = None
     acceptance_per_position: tuple[float, ...] = ()
+    target_only_steps: int | None = None     # unispec only: steps that ran the target-only graph, and their time
+    target_only_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -82,6 +90,12 @@ class Pass:
             d["graph_ms_per_step"] = 1e3 * self.graph_s / self.steps
             d["host_ms_per_step"] = 1e3 * self.host_s / self.steps
             d["host_share"] = self.host_s / (self.graph_s + self.host_s)
+            d["step_ms"] = 1e3 * (self.graph_s + self.host_s) / self.steps
+        if self.steps and self.target_only_steps is not None:
+            d["target_only_share"] = self.target_only_steps / self.steps
+            spec_steps = self.steps - self.target_only_steps
+            if spec_steps:       # the speculative steps' own time (the adaptive mix aside)
+                d["spec_ms_per_step"] = 1e3 * (self.graph_s + self.host_s - self.target_only_s) / spec_steps
         return d
 
 

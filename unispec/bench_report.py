@@ -27,14 +27,18 @@ def report_tables(report: BenchReport) -> list[Any]:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table("engine", "batch", "temp", "tokens/s", "speedup", "accepted len", "acceptance / position",
-                  "graph ms", "host ms", "host %", title=escape(f"unispec bench {report.config.artifact_dir}"),
+    table = Table("engine", "batch", "temp", "tokens/s", "speedup", "expected", "target-only %", "accepted len",
+                  "acceptance / position", "graph ms", "host ms", "host %",
+                  title=escape(f"unispec bench {report.config.artifact_dir}"),
                   title_justify="left", caption=escape(" · ".join(report.notes)), caption_justify="left")
     for row in (r for r in report.rows if r.passes):
         m = row.median
         per_position = " ".join(f"{a:.2f}" for a in m.get("acceptance_per_position", []))
+        mix = m.get("target_only_share") if row.engine == report.artifact_engine else None   # `none`: all
         table.add_row(escape(row.engine), str(row.batch_size), f"{row.temperature:g}", _f(m.get("tokens_per_s")),
-                      _f(row.speedup, ".2f", "×"), _f(m.get("mean_accepted_length"), ".2f"), per_position,
+                      _f(row.speedup, ".2f", "×"), _f(row.expected_speedup, ".2f", "×"),
+                      _f(None if mix is None else 100 * mix, ".0f"), _f(m.get("mean_accepted_length"), ".2f"),
+                      per_position,
                       _f(m.get("graph_ms_per_step"), ".2f"), _f(m.get("host_ms_per_step"), ".2f"),
                       _f(100 * m["host_share"] if "host_share" in m else None, ".0f"))
     skipped: dict[tuple[str, str], list[Row]] = {}
@@ -57,6 +61,10 @@ def headline(report: BenchReport) -> list[str]:
         ours, others = cell[0], [r for r in cell[1:] if r.speedup]
         host = ours.median.get("host_share")
         parts = [f"{r.speedup:.2f}× {r.engine}" for r in others]
+        if ours.expected_speedup is not None:
+            parts.append(f"expected {ours.expected_speedup:.2f}× when speculating every step")
+        if ours.median.get("target_only_share") is not None:
+            parts.append(f"{100 * ours.median['target_only_share']:.0f}% of steps target-only")
         if host is not None:
             parts.append(f"host {100 * host:.0f}% of step time")
         lines.append(f"batch {ours.batch_size}, temperature {ours.temperature:g}: {ours.engine} "

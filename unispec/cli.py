@@ -188,6 +188,10 @@ def _peer_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
               show_default=True, help="Comma-separated batch sizes (requests generated together).")
 @click.option("--temperature", "temperatures", callback=_number_list(float, "--temperature", "0,0.7", 0),
               default="0,0.7", show_default=True, help="Comma-separated temperatures (0 = greedy).")
+@click.option("--top-p", type=float, default=1.0, show_default=True,
+              help="top-p of unispec's sampled rows (1 = off; the peers sample without it).")
+@click.option("--speculation", type=click.Choice(("auto", "always", "never")), default="auto", show_default=True,
+              help="The artifact's engine: each step speculative or target-only as measured faster, or forced.")
 @click.option("--repeats", type=int, default=3, show_default=True,
               help="Timed passes per engine and cell (after one warm-up); the report keeps their medians.")
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="New tokens per request.")

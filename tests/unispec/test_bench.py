@@ -47,7 +47,7 @@ def test_one_run_reports_every_engine_with_json_and_plot(tiny: dict[str, Path], 
         "--cache-dir", str(tmp_path / "cache"), "--json", str(out_json), "--plot", str(out_png)])
     assert result.exit_code == 0, result.output
     for text in ("unispec dflash (ort)", "unispec none (ort)", "transformers generate", "not run",
-                 "1 intra-op threads"):
+                 "1 intra-op threads", "target-only %", "expected"):
         assert text in result.output
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 10_000
 
@@ -64,6 +64,8 @@ def test_one_run_reports_every_engine_with_json_and_plot(tiny: dict[str, Path], 
             assert m["tokens"] == 8 * size and m["tokens_per_s"] > 0 and ours["speedup"] == 1.0
             assert m["mean_accepted_length"] >= 1 and len(m["acceptance_per_position"]) == 3
             assert m["graph_ms_per_step"] > 0 and m["host_ms_per_step"] > 0 and 0 < m["host_share"] < 1
+            assert 0 <= m["target_only_share"] <= 1                           # adaptive speculation's mode mix
+            assert ours["expected_speedup"] is None or ours["expected_speedup"] > 0
             assert 0.5 * run["wall_s"] < run["graph_s"] + run["host_s"] <= run["wall_s"]   # steps are most of it
             for engine in ("unispec none (ort)", "transformers generate"):
                 theirs = rows[(engine, size, temperature)]
