@@ -8,6 +8,10 @@ pools); after a step it commits the accepted rows of the deltas into the pools w
                                           |
                   commit(outputs, slots, rows): pool[slot // bs, :, slot % bs] = delta[row]
 
+A backend may also offer the artifact's target-only graph (adaptive speculation, runtime/speculation.py):
+`has_target_only` true, `target_only_input_specs()` and `run_target_only(feeds)` over the same pools (ORT
+does; the engine treats a backend without them as speculating every step).
+
 `PersistentInputBuffers` holds one flat host buffer per per-step input, sized once from the manifest's
 bounds (max batch, max tokens per step, max blocks per row); a step's feed is a contiguous prefix view
 of it, so the addresses a backend binds never change and no step allocates input memory. Where a CUDA
