@@ -6,15 +6,20 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
 
 - t_spec(B), t_target(B): this engine's own measured wall time of decode steps (every row decoding) of
   each graph, per batch-size bucket (powers of two) and per kind of step (greedy only, or some row
-  sampling: sampled steps cost more). Noise on a shared machine only ever adds time, and a session's
-  first runs are slow (ORT plans its memory), so the estimate follows a faster step at once and a
-  slower one by an exponential moving average. A pair not measured yet is explored.
+  sampling: sampled steps cost more): the median of its last TIME_WINDOW decode steps, which shrugs off a
+  session's slow first runs (ORT plans its memory) and the spikes of a shared machine, and counts once
+  MIN_SAMPLES steps made it. Unmeasured,
+  the current mode keeps measuring and target-only (cheap to enter) is explored from speculation; from
+  target-only, a bucket whose speculative time is unknown borrows the nearest measured bucket's ratio
+  rather than paying a recompute to explore it.
 - expected accepted drafts: each row's mean over its last ROW_WINDOW verified steps, pulled towards the
-  engine-wide mean of rows of its kind (greedy / sampled) while it has few, so new rows start informed.
+  engine-wide mean of rows of its kind (greedy / sampled) while it has few, so new rows start informed;
+  that mean starts at K (optimistic: speculation is measured before it is judged).
 - switching: the target-only graph leaves the draft pool alone, so a row that decoded target-only is
   recomputed (from its first position without draft KV) before it speculates again, and its first
   speculative step has no drafts to verify. A decision therefore holds for MIN_DWELL steps, resuming
-  speculation needs a gain of 1 + ENTER_MARGIN (leaving it, below 1 - LEAVE_MARGIN), and the other mode
+  speculation needs a gain of 1 + ENTER_MARGIN, staying in it 1 + STAY_MARGIN (what decode steps alone do
+  not show costs speculation too: its prefill runs the drafter, rows finish unevenly), and the other mode
   is probed again only every PROBE_INTERVAL steps (in target-only mode that is also what refreshes
   acceptance, which only speculative steps measure).
 
@@ -25,7 +30,8 @@ Forcing: `speculation="always"` (the speculative graph every step) or `"never"` 
 
 from __future__ import annotations
 
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from collections.abc import Sequence
 
 from runtime.errors import InvalidRequestError
@@ -35,10 +41,12 @@ __all__ = ["MODES", "SPECULATIVE", "TARGET_ONLY", "SpeculationPolicy"]
 
 MODES = ("auto", "always", "never")
 SPECULATIVE, TARGET_ONLY = "speculative", "target-only"     # the two kinds of step (metrics keys)
-EMA = 0.2                  # weight of a new step time
-LEAVE_MARGIN = 0.05        # relative gain below 1 that ends speculation
-ENTER_MARGIN = 0.25        # ... above 1 that resumes it: it pays a recompute and a step without drafts first
+EMA = 0.2                  # weight of a new observation in the engine-wide acceptance
+TIME_WINDOW = 16           # decode steps a step-time estimate is the median of
+STAY_MARGIN = 0.05         # relative gain above 1 that keeps speculating
+ENTER_MARGIN = 0.25        # ... that resumes it: it pays a recompute and a step without drafts first
 MIN_DWELL = 4              # steps a decision holds
+MIN_SAMPLES = 8            # decode steps before a step-time estimate counts
 ROW_WINDOW = 8             # a row's recent verified steps its acceptance estimate averages
 PRIOR_WEIGHT = 4.0         # how many steps the engine-wide mean counts for in a row's estimate
 PROBE_INTERVAL = 1024      # steps in one mode between probes of the other
@@ -56,7 +64,9 @@ class SpeculationPolicy:
         self.mode, self.k = mode, k
         self.adaptive = mode == "auto" and k > 0 and has_target_only
         self.step_s: dict[tuple[str, int, bool], float] = {}       # (kind, batch bucket, sampled) -> seconds
-        self.prior = {False: 0.0, True: 0.0}                       # sampled -> engine-wide mean accepted
+        self.samples: Counter[tuple[str, int, bool]] = Counter()
+        self._recent: dict[tuple[str, int, bool], deque[float]] = {}
+        self.prior = {False: float(k), True: float(k)}             # sampled -> engine-wide mean accepted
         self.prior_seen = {False: 0, True: 0}
         self.counts: Counter[str] = Counter()                      # steps of each kind
         self.current = SPECULATIVE if mode != "never" else TARGET_ONLY
@@ -82,20 +92,35 @@ class SpeculationPolicy:
 
     def _best(self, rows: Sequence[SequenceState]) -> str:
         bucket, sampled = _bucket(len(rows)), _any_sampled(rows)
-        for kind in (self.current, _other(self.current)):        # explore what was never measured here
-            if (kind, bucket, sampled) not in self.step_s:
-                return kind
-        ratio = self.step_s[(SPECULATIVE, bucket, sampled)] / self.step_s[(TARGET_ONLY, bucket, sampled)]
+        spec_s, only_s = self._time(SPECULATIVE, bucket, sampled), self._time(TARGET_ONLY, bucket, sampled)
+        if self.current == SPECULATIVE and (spec_s is None or only_s is None):
+            return TARGET_ONLY if spec_s is not None else SPECULATIVE     # measure, then explore target-only
+        if self.current == TARGET_ONLY and only_s is None:
+            return TARGET_ONLY
+        ratio = spec_s / only_s if spec_s is not None else self._nearest_ratio(bucket, sampled)
+        if ratio is None:
+            return SPECULATIVE                                            # nothing to borrow: explore
         gain = sum(1.0 + self.expected_accepted(r) for r in rows) / max(len(rows), 1) / ratio
-        bar = 1.0 - LEAVE_MARGIN if self.current == SPECULATIVE else 1.0 + ENTER_MARGIN
+        bar = 1.0 + (STAY_MARGIN if self.current == SPECULATIVE else ENTER_MARGIN)
         return SPECULATIVE if gain > bar else TARGET_ONLY
+
+    def _time(self, kind: str, bucket: int, sampled: bool) -> float | None:
+        key = (kind, bucket, sampled)
+        return self.step_s[key] if self.samples[key] >= MIN_SAMPLES else None
+
+    def _nearest_ratio(self, bucket: int, sampled: bool) -> float | None:
+        """t_spec / t_target of the measured bucket nearest to `bucket` (log scale), None if none is."""
+        both = [b for (kind, b, s) in self.step_s if kind == SPECULATIVE and s == sampled
+                and self._time(SPECULATIVE, b, s) is not None and self._time(TARGET_ONLY, b, s) is not None]
+        if not both:
+            return None
+        nearest = min(both, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        return self.step_s[(SPECULATIVE, nearest, sampled)] / self.step_s[(TARGET_ONLY, nearest, sampled)]
 
     def expected_accepted(self, row: SequenceState) -> float:
         """Drafts the row is expected to accept per speculative step."""
-        sampled = not _greedy(row)
         recent = row.accepted[-ROW_WINDOW:]
-        prior = self.prior[sampled] if self.prior_seen[sampled] else float(self.k)
-        return (sum(recent) + PRIOR_WEIGHT * prior) / (len(recent) + PRIOR_WEIGHT)
+        return (sum(recent) + PRIOR_WEIGHT * self.prior[not _greedy(row)]) / (len(recent) + PRIOR_WEIGHT)
 
     def record(self, kind: str, rows: Sequence[SequenceState], seconds: float, all_decode: bool,
                verified: Sequence[tuple[SequenceState, int]]) -> None:
@@ -103,12 +128,14 @@ class SpeculationPolicy:
         self.counts[kind] += 1
         if all_decode:
             key = (kind, _bucket(len(rows)), _any_sampled(rows))
-            old = self.step_s.get(key, seconds)
-            self.step_s[key] = seconds if seconds < old else (1 - EMA) * old + EMA * min(seconds, 3 * old)
+            self.samples[key] += 1
+            recent = self._recent.setdefault(key, deque(maxlen=TIME_WINDOW))
+            recent.append(seconds)
+            self.step_s[key] = statistics.median(recent)
         for row, accepted in verified:
             sampled = not _greedy(row)
-            self.prior_seen[sampled] += 1
-            weight = max(EMA / 4, 1.0 / self.prior_seen[sampled])
+            self.prior_seen[sampled] += 1                 # K counts as PRIOR_WEIGHT first observations
+            weight = max(EMA / 4, 1.0 / (self.prior_seen[sampled] + PRIOR_WEIGHT))
             self.prior[sampled] += weight * (accepted - self.prior[sampled])
 
 

@@ -33,8 +33,9 @@ def _row(temperature: float = 0.0, accepted: tuple[int, ...] = ()) -> SequenceSt
 
 
 def _measured(policy: sp.SpeculationPolicy, batch: int, spec_s: float, only_s: float, sampled: bool = False) -> None:
-    policy.step_s[(SPEC, sp._bucket(batch), sampled)] = spec_s
-    policy.step_s[(ONLY, sp._bucket(batch), sampled)] = only_s
+    for kind, seconds in ((SPEC, spec_s), (ONLY, only_s)):
+        policy.step_s[(kind, sp._bucket(batch), sampled)] = seconds
+        policy.samples[(kind, sp._bucket(batch), sampled)] = sp.MIN_SAMPLES
 
 
 def test_forced_modes_and_artifacts_without_a_target_only_graph() -> None:
@@ -49,28 +50,38 @@ def test_forced_modes_and_artifacts_without_a_target_only_graph() -> None:
         sp.SpeculationPolicy("sometimes", k=3, has_target_only=True)
 
 
-def test_unmeasured_kinds_are_explored_then_the_cost_rule_decides() -> None:
+def test_speculation_is_measured_then_target_only_explored_then_the_cost_rule_decides() -> None:
     policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
     rows = [_row(accepted=(0, 0, 1))] * 4
-    assert policy.choose(rows) == SPEC                                     # nothing measured: the current mode
-    policy.record(SPEC, rows, 2.0e-3, True, [(r, 0) for r in rows] * 5)   # and rows of this kind accept ~0
-    assert policy.choose(rows) == ONLY                                     # target-only not measured here yet
-    policy.record(ONLY, rows, 1.0e-3, True, [])
-    for _ in range(sp.MIN_DWELL - 1):
-        assert policy.choose(rows) == ONLY                                 # a decision holds MIN_DWELL steps
-    # accepted length ~1.3 against a 2x step: target-only; with acceptance 3 of 3 speculation wins
+    for _ in range(sp.MIN_SAMPLES):                                        # speculation first, measured
+        assert policy.choose(rows) == SPEC
+        policy.record(SPEC, rows, 2.0e-3, True, [(r, 0) for r in rows])   # rows of this kind accept ~0
+    kinds = []
+    for _ in range(sp.MIN_SAMPLES):                                        # then target-only, cheap to enter
+        kinds.append(policy.choose(rows))
+        policy.record(kinds[-1], rows, 1.0e-3, True, [])
+    assert kinds == [ONLY] * sp.MIN_SAMPLES
+    # accepted length ~1.1 against a 2x step: target-only; rows accepting 3 of 3 would make speculation win
     assert policy.choose(rows) == ONLY
     assert policy.choose([_row(accepted=(3,) * 8)] * 4) == SPEC
-    assert policy.counts == {SPEC: 1, ONLY: 1}                             # record() counts the steps run
+    assert policy.counts == {SPEC: sp.MIN_SAMPLES, ONLY: sp.MIN_SAMPLES}  # record() counts the steps run
 
 
-def test_batch_buckets_and_sampled_steps_are_measured_apart() -> None:
+def test_a_new_batch_bucket_in_target_only_mode_borrows_the_nearest_ratio() -> None:
     policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
-    greedy, sampled = [_row(accepted=(2,) * 8)], [_row(0.7, accepted=(2,) * 8)]
-    _measured(policy, 1, 2.0e-3, 1.0e-3)                                    # greedy, batch 1: 3 tokens / 2x
-    assert policy.choose(greedy) == SPEC
-    assert policy.choose(sampled) == SPEC and (SPEC, 1, True) not in policy.step_s   # explored, not known
+    _measured(policy, 16, 3.0e-3, 1.0e-3)                                  # batch 16: speculation costs 3x
+    policy.current = ONLY
+    policy.samples[(ONLY, 8, False)] = sp.MIN_SAMPLES
+    policy.step_s[(ONLY, 8, False)] = 0.6e-3
+    assert policy.choose([_row(accepted=(2,) * 8)] * 9) == ONLY            # 3 tokens / 3x: no recompute to explore
     assert [sp._bucket(b) for b in (1, 2, 3, 4, 15, 16, 17)] == [1, 2, 2, 4, 8, 16, 16]
+
+
+def test_sampled_steps_are_measured_apart() -> None:
+    policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
+    _measured(policy, 1, 2.0e-3, 1.0e-3)                                   # greedy steps, batch 1
+    assert policy.choose([_row(accepted=(2,) * 8)]) == SPEC
+    assert policy.choose([_row(0.7, accepted=(0,) * 8)]) == SPEC and policy._time(SPEC, 1, True) is None
 
 
 def test_target_only_mode_probes_speculation_now_and_then() -> None:
@@ -85,9 +96,9 @@ def test_target_only_mode_probes_speculation_now_and_then() -> None:
 def test_rows_start_from_the_engine_wide_acceptance_of_their_kind() -> None:
     policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
     assert policy.expected_accepted(_row()) == 3.0                         # nothing seen: optimistic (K)
-    policy.record(SPEC, [], 1e-3, False, [(_row(), 1)] * 50 + [(_row(0.7), 0)] * 50)
-    assert policy.expected_accepted(_row()) == pytest.approx(1.0, abs=0.05)
-    assert policy.expected_accepted(_row(0.7)) == pytest.approx(0.0, abs=0.05)
+    policy.record(SPEC, [], 1e-3, False, [(_row(), 1)] * 80 + [(_row(0.7), 0)] * 80)
+    assert policy.expected_accepted(_row()) == pytest.approx(1.0, abs=0.1)
+    assert policy.expected_accepted(_row(0.7)) == pytest.approx(0.0, abs=0.1)
     assert policy.expected_accepted(_row(accepted=(3,) * 8)) > 2.0         # a row's own steps weigh more
 
 
