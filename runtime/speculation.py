@@ -6,9 +6,9 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
 
 - t_spec(B), t_target(B): this engine's own measured wall time of decode steps (every row decoding) of
   each graph, per batch-size bucket (powers of two) and per kind of step (greedy only, or some row
-  sampling: sampled steps cost more): the median of its last TIME_WINDOW decode steps, which shrugs off a
-  session's slow first runs (ORT plans its memory) and the spikes of a shared machine, and counts once
-  MIN_SAMPLES steps made it. Unmeasured,
+  sampling: sampled steps cost more): the lower quartile of its last TIME_WINDOW decode steps, which
+  shrugs off a session's slow first runs on each new shape (ORT plans its memory; measured: ~10 steps at
+  2.5x to 1.3x) and the spikes of a shared machine, and counts once MIN_SAMPLES steps made it. Unmeasured,
   the current mode keeps measuring and target-only (cheap to enter) is explored from speculation; from
   target-only, a bucket whose speculative time is unknown borrows the nearest measured bucket's ratio
   rather than paying a recompute to explore it.
@@ -17,11 +17,15 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
   that mean starts at K (optimistic: speculation is measured before it is judged).
 - switching: the target-only graph leaves the draft pool alone, so a row that decoded target-only is
   recomputed (from its first position without draft KV) before it speculates again, and its first
-  speculative step has no drafts to verify. A decision therefore holds for MIN_DWELL steps, resuming
-  speculation needs a gain of 1 + ENTER_MARGIN, staying in it 1 + STAY_MARGIN (what decode steps alone do
-  not show costs speculation too: its prefill runs the drafter, rows finish unevenly), and the other mode
-  is probed again only every PROBE_INTERVAL steps (in target-only mode that is also what refreshes
-  acceptance, which only speculative steps measure).
+  speculative step has no drafts to verify. A decision therefore holds for MIN_DWELL steps; staying in
+  speculation needs a decode gain of 1 + STAY_MARGIN (what decode steps alone do not show costs it too:
+  its prefill runs the drafter, rows finish unevenly), resuming it up to ENTER_MARGIN more, in proportion
+  to the tokens to recompute (full at ENTER_GAP per row). Speculation probes target-only after FIRST_PROBE
+  steps, then twice as long each time up to PROBE_INTERVAL; target-only probes speculation (which is also
+  what refreshes acceptance, only speculative steps measure it) on that schedule too, but only while its
+  rows have little to recompute (at most ENTER_GAP / 4 tokens each): a probe that recomputes whole
+  sequences costs more than it can find (measured: batch 4, DeepSeek-V3 + MTP, 0.89x against 0.94x for
+  always speculating and 0.99x for never).
 
 Peers: vLLM turns speculation off above a batch size (`speculative_disable_by_batch_size`); TRT-LLM and
 SGLang adapt the draft length to the batch. Here the switch is whole-step, costed, and per artifact.
@@ -42,14 +46,16 @@ __all__ = ["MODES", "SPECULATIVE", "TARGET_ONLY", "SpeculationPolicy"]
 MODES = ("auto", "always", "never")
 SPECULATIVE, TARGET_ONLY = "speculative", "target-only"     # the two kinds of step (metrics keys)
 EMA = 0.2                  # weight of a new observation in the engine-wide acceptance
-TIME_WINDOW = 16           # decode steps a step-time estimate is the median of
+TIME_WINDOW = 16           # decode steps a step-time estimate is the lower quartile of
 STAY_MARGIN = 0.05         # relative gain above 1 that keeps speculating
-ENTER_MARGIN = 0.25        # ... that resumes it: it pays a recompute and a step without drafts first
-MIN_DWELL = 4              # steps a decision holds
+ENTER_MARGIN = 0.25        # ... and at most this much more to resume it: a recompute and a step without drafts
+ENTER_GAP = 64             # tokens to recompute per row at which resuming needs all of ENTER_MARGIN
+MIN_DWELL = 16             # steps a decision holds
 MIN_SAMPLES = 8            # decode steps before a step-time estimate counts
-ROW_WINDOW = 8             # a row's recent verified steps its acceptance estimate averages
-PRIOR_WEIGHT = 4.0         # how many steps the engine-wide mean counts for in a row's estimate
-PROBE_INTERVAL = 1024      # steps in one mode between probes of the other
+ROW_WINDOW = 16            # a row's recent verified steps its acceptance estimate averages
+PRIOR_WEIGHT = 8.0         # how many steps the engine-wide mean counts for in a row's estimate
+FIRST_PROBE = 64           # steps in one mode before the first probe of the other; then doubling
+PROBE_INTERVAL = 1024      # ... up to this
 
 
 class SpeculationPolicy:
@@ -71,6 +77,7 @@ class SpeculationPolicy:
         self.counts: Counter[str] = Counter()                      # steps of each kind
         self.current = SPECULATIVE if mode != "never" else TARGET_ONLY
         self._dwell = self._since_probe = 0
+        self._probe_after = FIRST_PROBE
 
     def choose(self, rows: Sequence[SequenceState]) -> str:
         """SPECULATIVE or TARGET_ONLY for the next step over (about) `rows`."""
@@ -83,8 +90,9 @@ class SpeculationPolicy:
             return self.current
         kind = self._best(rows)
         self._since_probe += 1
-        if kind == self.current and self._since_probe >= PROBE_INTERVAL:
-            kind = _other(kind)
+        if kind == self.current and self._since_probe >= self._probe_after and \
+                (kind == SPECULATIVE or _gap(rows) <= ENTER_GAP / 4):
+            kind, self._probe_after = _other(kind), min(2 * self._probe_after, PROBE_INTERVAL)
         if kind != self.current:
             self._since_probe = 0
             self.current, self._dwell = kind, MIN_DWELL - 1
@@ -101,7 +109,9 @@ class SpeculationPolicy:
         if ratio is None:
             return SPECULATIVE                                            # nothing to borrow: explore
         gain = sum(1.0 + self.expected_accepted(r) for r in rows) / max(len(rows), 1) / ratio
-        bar = 1.0 + (STAY_MARGIN if self.current == SPECULATIVE else ENTER_MARGIN)
+        bar = 1.0 + STAY_MARGIN
+        if self.current == TARGET_ONLY:
+            bar += ENTER_MARGIN * min(1.0, _gap(rows) / ENTER_GAP)
         return SPECULATIVE if gain > bar else TARGET_ONLY
 
     def _time(self, kind: str, bucket: int, sampled: bool) -> float | None:
@@ -131,12 +141,17 @@ class SpeculationPolicy:
             self.samples[key] += 1
             recent = self._recent.setdefault(key, deque(maxlen=TIME_WINDOW))
             recent.append(seconds)
-            self.step_s[key] = statistics.median(recent)
+            self.step_s[key] = statistics.quantiles(recent, n=4)[0] if len(recent) > 1 else seconds
         for row, accepted in verified:
             sampled = not _greedy(row)
             self.prior_seen[sampled] += 1                 # K counts as PRIOR_WEIGHT first observations
             weight = max(EMA / 4, 1.0 / (self.prior_seen[sampled] + PRIOR_WEIGHT))
             self.prior[sampled] += weight * (accepted - self.prior[sampled])
+
+
+def _gap(rows: Sequence[SequenceState]) -> float:
+    """Tokens per row a switch to speculation would recompute (decoded target-only since their draft KV)."""
+    return sum(r.cache_len - r.draft_len for r in rows) / max(len(rows), 1)
 
 
 def _other(kind: str) -> str:

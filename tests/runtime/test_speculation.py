@@ -57,14 +57,15 @@ def test_speculation_is_measured_then_target_only_explored_then_the_cost_rule_de
         assert policy.choose(rows) == SPEC
         policy.record(SPEC, rows, 2.0e-3, True, [(r, 0) for r in rows])   # rows of this kind accept ~0
     kinds = []
-    for _ in range(sp.MIN_SAMPLES):                                        # then target-only, cheap to enter
+    explore = max(sp.MIN_SAMPLES, sp.MIN_DWELL)                             # measured, and the decision held
+    for _ in range(explore):                                               # then target-only, cheap to enter
         kinds.append(policy.choose(rows))
         policy.record(kinds[-1], rows, 1.0e-3, True, [])
-    assert kinds == [ONLY] * sp.MIN_SAMPLES
+    assert kinds == [ONLY] * explore
     # accepted length ~1.1 against a 2x step: target-only; rows accepting 3 of 3 would make speculation win
     assert policy.choose(rows) == ONLY
     assert policy.choose([_row(accepted=(3,) * 8)] * 4) == SPEC
-    assert policy.counts == {SPEC: sp.MIN_SAMPLES, ONLY: sp.MIN_SAMPLES}  # record() counts the steps run
+    assert policy.counts == {SPEC: sp.MIN_SAMPLES, ONLY: explore}          # record() counts the steps run
 
 
 def test_a_new_batch_bucket_in_target_only_mode_borrows_the_nearest_ratio() -> None:
@@ -73,7 +74,7 @@ def test_a_new_batch_bucket_in_target_only_mode_borrows_the_nearest_ratio() -> N
     policy.current = ONLY
     policy.samples[(ONLY, 8, False)] = sp.MIN_SAMPLES
     policy.step_s[(ONLY, 8, False)] = 0.6e-3
-    assert policy.choose([_row(accepted=(2,) * 8)] * 9) == ONLY            # 3 tokens / 3x: no recompute to explore
+    assert policy.choose([_row(accepted=(1,) * 8)] * 9) == ONLY            # ~2.7 tokens / 3x: no recompute to explore
     assert [sp._bucket(b) for b in (1, 2, 3, 4, 15, 16, 17)] == [1, 2, 2, 4, 8, 16, 16]
 
 
@@ -84,13 +85,14 @@ def test_sampled_steps_are_measured_apart() -> None:
     assert policy.choose([_row(0.7, accepted=(0,) * 8)]) == SPEC and policy._time(SPEC, 1, True) is None
 
 
-def test_target_only_mode_probes_speculation_now_and_then() -> None:
+def test_the_other_mode_is_probed_now_and_then() -> None:
     policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
     rows = [_row(accepted=(0,) * 8)]
     _measured(policy, 1, 3.0e-3, 1.0e-3)
-    kinds = [policy.choose(rows) for _ in range(sp.PROBE_INTERVAL + sp.MIN_DWELL + 2)]
+    kinds = [policy.choose(rows) for _ in range(sp.FIRST_PROBE + sp.MIN_DWELL + 2)]
     assert kinds[:sp.MIN_DWELL] == [ONLY] * sp.MIN_DWELL
-    assert SPEC in kinds[sp.PROBE_INTERVAL - 2:], "a probe of speculation after PROBE_INTERVAL target-only steps"
+    assert SPEC in kinds[sp.FIRST_PROBE - 2:], "a probe of speculation after FIRST_PROBE target-only steps"
+    assert policy._probe_after == 2 * sp.FIRST_PROBE                       # the next one twice as late
 
 
 def test_rows_start_from_the_engine_wide_acceptance_of_their_kind() -> None:
