@@ -73,11 +73,12 @@ class Row:
         if not runs:
             return {}
         out: dict[str, Any] = {}
-        for key, value in runs[0].items():
-            if isinstance(value, list):
-                out[key] = [statistics.median(r[key][j] for r in runs) for j in range(len(value))]
-            elif value is not None:
-                out[key] = statistics.median(r[key] for r in runs)
+        for key in dict.fromkeys(k for r in runs for k in r):   # a pass without speculative steps lacks their ms
+            values = [r[key] for r in runs if r.get(key) is not None]
+            if values and isinstance(values[0], list):
+                out[key] = [statistics.median(v[j] for v in values) for j in range(len(values[0]))]
+            elif values:
+                out[key] = statistics.median(values)
         return out
 
     def to_json(self) -> dict[str, Any]:
