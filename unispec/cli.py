@@ -73,10 +73,19 @@ def export(**options: Any) -> None:
               help="Recipe file, or a built-in recipe name (default, decode-heavy, prefill-heavy).  [default: default]")
 @click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="TensorRT timing cache to read (when it exists) and update.")
+@click.option("--flavour", type=click.Choice(("tensorrt", "tensorrt-rtx")), default=None,
+              help="TensorRT 11 (data-center GPUs, builds on a GPU) or TensorRT-RTX (Ampere/Ada/Blackwell RTX, "
+                   "builds CPU-only).  [default: the installed one; TensorRT 11 only where a GPU is visible]")
+@click.option("--compute-capability", "compute_capabilities", multiple=True, metavar="SM",
+              help="TensorRT-RTX target GPU, repeatable: sm_80, sm_86, sm_89, sm_120, sm_121 (overrides the "
+                   "recipe's).  [default: the visible GPU, else all of those]")
 @click.option("--dry-run", is_flag=True, help="Print the optimization profile and stop (needs no TensorRT).")
-def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, dry_run: bool) -> None:
+def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, flavour: str | None,
+          compute_capabilities: tuple[str, ...], dry_run: bool) -> None:
     """Build a TensorRT engine into an artifact directory (engine.plan, engine.json, manifest.engine)."""
-    from engines.build import build_engine, describe_plan, load_artifact, plan_build
+    import json
+
+    from engines.build import ENGINE_SETTINGS, build_engine, describe_plan, load_artifact, plan_build
     from engines.recipe import load_recipe
 
     if dry_run:
@@ -86,7 +95,12 @@ def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, dry
         for renderable in describe_plan(manifest, plan_build(manifest, load_recipe(recipe))):
             Console().print(renderable)
         return
-    click.echo(f"engine: {build_engine(artifact_dir, recipe=recipe, timing_cache=timing_cache)}")
+    plan = build_engine(artifact_dir, recipe=recipe, timing_cache=timing_cache, flavour=flavour,
+                        compute_capabilities=compute_capabilities)
+    settings = json.loads((plan.parent / ENGINE_SETTINGS).read_text())
+    click.echo(f"engine: {plan} ({plan.stat().st_size / 2**20:.1f} MiB, built in {settings['build_seconds']:.1f} s "
+               f"with {settings['flavour']} {settings['tensorrt_version']} for "
+               f"{', '.join(settings['compute_capabilities'])})")
 
 
 @main.command()
