@@ -53,7 +53,7 @@ class ExportSettings:
     """What an export was asked for, validated before any checkpoint is read."""
 
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int | None   # None: the method's default (the checkpoint's for DFlash, else 3)
     dtype: str = "float32"
     structured_output: bool = False
     block_size: int = 16                 # KV pool block (tokens per block), static in the graph
@@ -75,7 +75,7 @@ class ExportSettings:
 
 
 def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *, method: str,
-                 num_speculative_tokens: int, out_dir: str | Path, dtype: str = "float32",
+                 num_speculative_tokens: int | None = None, out_dir: str | Path, dtype: str = "float32",
                  structured_output: bool = False, block_size: int = 16, max_model_len: int = 2048,
                  max_batch_size: int = 16, max_tokens_per_step: int = 512, progress: bool | None = None) -> Path:
     """Export a target (+ draft) checkpoint as the artifact directory `out_dir`; returns its path.
@@ -212,7 +212,7 @@ def _pools(inputs: tuple[TensorSpec, ...], step: UnifiedStep) -> tuple[PoolSpec,
 
 def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSettings, sources: dict[str, Any],
               tokenizer: TokenizerInfo, out: Path) -> Manifest:
-    from export.spec import NOISE_CHANNELS
+    from plugins.spec_accept.acceptance import NOISE_CHANNELS
 
     inputs = tensor_specs(graph.input)
     return Manifest(

@@ -78,7 +78,8 @@ class Engine:
         specs = backend.input_specs()
         self.buffers = PersistentInputBuffers(specs, step_bounds(m))
         self._input_names = frozenset(s.name for s in specs)
-        self._positions = np.arange(m.max_model_len + 2 * self.k + 2, dtype=np.int64)   # copied from, never grown
+        # copied from, never grown: a row's positions plus one step's reach past them
+        self._positions = np.arange(m.max_model_len + 1 + io.step_reach(self.k), dtype=np.int64)
         self._ids = count()
         self.num_steps = 0
         self.timings = StepTimings()
@@ -227,15 +228,10 @@ class Engine:
 
     def _commit(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
         """The commit rule, vectorised: every committed (row, position) pair becomes one (slot, delta row)."""
-        offsets, bs = feeds[io.ROW_OFFSETS], self.manifest.block_size
-        batch = len(offsets) - 1
-        counts = np.diff(offsets) + outputs[io.NUM_ACCEPTED]                             # [B]
-        seg_starts = offsets[:-1] + np.arange(batch) * self.k                            # [B] in the delta
-        row_of = np.repeat(np.arange(batch), counts)                                     # [N]
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)   # [N]
-        positions = feeds[io.CACHE_LENGTHS][row_of] + within                             # [N]
-        slots = feeds[io.BLOCK_TABLE][row_of, positions // bs] * bs + positions % bs     # [N]
-        self.backend.commit(outputs, slots, seg_starts[row_of] + within)
+        slots, rows = io.committed_slots(feeds[io.ROW_OFFSETS], outputs[io.NUM_ACCEPTED], feeds[io.CACHE_LENGTHS],
+                                         feeds[io.BLOCK_TABLE], num_speculative_tokens=self.k,
+                                         block_size=self.manifest.block_size)
+        self.backend.commit(outputs, slots, rows)
 
     def _advance(self, plan: Plan, outputs: dict[str, np.ndarray]) -> list[RequestOutput]:
         accepted = outputs[io.NUM_ACCEPTED].tolist()

@@ -8,11 +8,26 @@ from typing import Any
 
 import click
 
+from export.archs import FAMILIES
 from runtime.errors import UnispecError
 
-METHODS = ("none", "mtp", "nextn", "eagle3", "eagle3-mha", "dflash", "gemma4-mtp")
-FAMILIES = ("llama3", "deepseek-v3", "gemma4")
-DRAFT_KINDS = ("none", "mtp", "nextn", "eagle3", "eagle3-mha", "dflash", "gemma4-assistant")
+
+class _MethodChoice(click.Choice):
+    """The method registry's names, read on first use: the registry imports the step builders (torch), which
+    `unispec --help` and the commands that only run artifacts should not pay for."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        from export.methods import METHODS
+
+        return tuple(METHODS)
+
+    @choices.setter
+    def choices(self, _: Any) -> None:
+        pass
 
 
 class _Group(click.Group):
@@ -44,10 +59,11 @@ _CHECKPOINT_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 @click.option("--target", "target_dir", type=_CHECKPOINT_DIR, required=True,
               help="Target model checkpoint directory (Hugging Face format).")
 @click.option("--draft", "draft_dir", type=_CHECKPOINT_DIR, default=None,
-              help="Draft checkpoint directory (nextn, eagle3, eagle3-mha, dflash, gemma4-mtp).")
-@click.option("--method", type=click.Choice(METHODS), default="none", show_default=True)
-@click.option("--num-speculative-tokens", type=int, default=3, show_default=True,
-              help="Draft tokens per step (K), fixed per artifact; ignored by `none`.")
+              help="Draft checkpoint directory, for methods with one (nextn, eagle3, eagle3-mha, dflash, gemma4-mtp).")
+@click.option("--method", type=_MethodChoice(), default="none", show_default=True)
+@click.option("--num-speculative-tokens", type=int, default=None,
+              help="Draft tokens per step (K), fixed per artifact; ignored by `none`; when omitted, read from a "
+                   "draft that fixes it (DFlash: block_size - 1).  [default: 3]")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Artifact directory (an existing artifact there is replaced once the new one is complete).")
 @click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), default="float32",
@@ -330,14 +346,14 @@ def demo(models_dir: Path, cache_dir: Path, max_tokens: int) -> None:
 
 @main.command()
 @click.option("--family", type=click.Choice(FAMILIES), required=True)
-@click.option("--draft", "draft_kind", type=click.Choice(DRAFT_KINDS), default="none", show_default=True)
+@click.option("--method", type=_MethodChoice(), default="none", show_default=True)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def tiny(family: str, draft_kind: str, out_dir: Path, seed: int) -> None:
-    """Write tiny random HF-format checkpoints (target, and draft when it is its own checkpoint)."""
+def tiny(family: str, method: str, out_dir: Path, seed: int) -> None:
+    """Write tiny random HF-format checkpoints of a family for a method (target, and its draft checkpoint)."""
     from export.tiny import write_tiny
 
-    written = write_tiny(family=family, draft=draft_kind, out_dir=out_dir, seed=seed)
+    written = write_tiny(family=family, method=method, out_dir=out_dir, seed=seed)
     for role, path in written.items():
         click.echo(f"{role}: {path}")
 

@@ -108,10 +108,8 @@ class OrtBackend:
 
     def commit(self, outputs: Mapping[str, np.ndarray], slots: np.ndarray, rows: np.ndarray) -> None:
         slots, rows = np.asarray(slots, dtype=np.int64), np.asarray(rows, dtype=np.int64)   # [N], [N]
-        blocks, offsets = np.divmod(slots, self.manifest.block_size)                        # [N], [N]
         for pool in self.manifest.pools:
-            # advanced indices around a slice: the indexed view is [N, L, W], as delta[rows] is
-            self.pools[pool.name][blocks, :, offsets] = outputs[pool.delta][rows]
+            io.write_committed(self.pools[pool.name], outputs[pool.delta], slots, rows, self.manifest.block_size)
 
 
 def _step_env(feeds: Mapping[str, np.ndarray], manifest: io.Manifest) -> dict[str, int]:

@@ -29,7 +29,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from tests.runtime.artifacts import write_tokenizer
 
     root = tmp_path_factory.mktemp("bench")
-    paths = write_tiny(family="llama3", draft="dflash", out_dir=root / "checkpoints", seed=0)
+    paths = write_tiny(family="llama3", method="dflash", out_dir=root / "checkpoints", seed=0)
     write_tokenizer(paths["target"], vocab_size=320)
     (root / "checkpoints" / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     geometry = dict(block_size=4, max_model_len=128, max_batch_size=4, max_tokens_per_step=64, progress=False)
