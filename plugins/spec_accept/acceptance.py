@@ -29,10 +29,18 @@ Noise `[B, K+1, NOISE_CHANNELS]` holds uniforms in [0, 1) from each request's ow
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from plugins.spec_accept.bitmask import apply_bitmask
-from plugins.spec_accept.truncation import PROB_DTYPE, is_greedy, sample_inverse_cdf, truncated_probs
+from plugins.spec_accept.truncation import (
+    PROB_DTYPE,
+    is_greedy,
+    needs_ranking,
+    sample_inverse_cdf,
+    truncated_probs,
+)
 
 NOISE_CHANNELS = 3
 NOISE_TARGET = 0    # position i < K: y_i (sample-and-match) or the coin u_i (rejection); i = K: the bonus
@@ -86,10 +94,10 @@ def verify(
     draft_logit = logits[:, :num_drafts].gather(-1, drafts[..., None])[..., 0]     # [B, K]
 
     def sampled_rows(logits: torch.Tensor, drafts: torch.Tensor, has_draft: torch.Tensor, noise: torch.Tensor,
-                     *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     *rest: torch.Tensor, ranked: bool) -> tuple[torch.Tensor, torch.Tensor]:
         params, optional = rest[:4], iter(rest[4:])
         probs = next(optional) if draft_probs is not None else None
-        target = truncated_probs(logits, *params)                                  # [B, K+1, V]
+        target = truncated_probs(logits, *params, ranked=ranked)                   # [B, K+1, V]
         accepted, candidates = _strict_verdict(target, drafts, has_draft, noise, probs)
         if in_thinking_phase is not None:
             relaxed = relaxed_verdict(logits[:, :num_drafts], drafts, top_n=relaxed_top_n, delta=relaxed_delta)
@@ -101,11 +109,12 @@ def verify(
         return torch.zeros_like(drafts, dtype=torch.bool), logits.argmax(dim=-1)   # replaced below
 
     # The sampled verdict (softmax, truncation, inverse CDF in float64) runs only when some row samples:
-    # an all-greedy step skips it (torch.cond, an ONNX If).
+    # an all-greedy step skips it (ONNX Ifs, see _when_sampled).
     greedy = is_greedy(temperature)[:, None]                                       # [B, 1]
     operands = (logits, drafts, has_draft, noise, *params,
                 *(t for t in (draft_probs, in_thinking_phase) if t is not None))
-    accepted, candidates = torch.cond((~greedy).any(), sampled_rows, greedy_rows_only, operands)
+    accepted, candidates = _when_sampled((~greedy).any(), needs_ranking(top_k, top_p, logits.shape[-1]),
+                                         sampled_rows, greedy_rows_only, operands)
 
     argmax = logits.argmax(dim=-1)                                                 # [B, K+1]
     # Boolean select by logic ops: ONNX Runtime has no CPU kernel for Where over bool.
@@ -125,15 +134,48 @@ def _plain_decoding(logits: torch.Tensor, temperature: torch.Tensor, params: lis
     mis-shapes in several ops (Gather, ReduceMax) when the graph is run."""
     greedy = is_greedy(temperature)                                                                  # [B]
 
-    def some_sampled(logits: torch.Tensor, noise: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        sampled = sample_inverse_cdf(truncated_probs(logits, *params), noise[..., NOISE_TARGET])[:, 0]  # [B]
-        return torch.where(greedy, logits[:, 0].argmax(dim=-1), sampled)
+    def some_sampled(logits: torch.Tensor, noise: torch.Tensor, *params: torch.Tensor, ranked: bool
+                     ) -> tuple[torch.Tensor]:
+        probs = truncated_probs(logits, *params, ranked=ranked)                                      # [B, 1, V]
+        sampled = sample_inverse_cdf(probs, noise[..., NOISE_TARGET])[:, 0]                           # [B]
+        return (torch.where(greedy, logits[:, 0].argmax(dim=-1), sampled),)
 
-    def all_greedy(logits: torch.Tensor, noise: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        return logits[:, 0].argmax(dim=-1)
+    def all_greedy(logits: torch.Tensor, noise: torch.Tensor, *params: torch.Tensor) -> tuple[torch.Tensor]:
+        return (logits[:, 0].argmax(dim=-1),)
 
-    next_tokens = torch.cond((~greedy).any(), some_sampled, all_greedy, (logits, noise, *params))  # [B]
+    top_k, top_p = params[1], params[2]
+    (next_tokens,) = _when_sampled((~greedy).any(), needs_ranking(top_k, top_p, logits.shape[-1]), some_sampled,
+                                   all_greedy, (logits, noise, *params))                            # [B]
     return torch.zeros_like(next_tokens), next_tokens
+
+
+def _when_sampled(
+    some_sampled: torch.Tensor,  # [] bool
+    ranked: torch.Tensor,        # [] bool, needs_ranking(...)
+    sampled_fn: Callable[..., tuple[torch.Tensor, ...]],   # (*operands, ranked: bool)
+    greedy_fn: Callable[..., tuple[torch.Tensor, ...]],    # (*operands)
+    operands: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, ...]:
+    """torch.cond(some_sampled, sampled_fn, greedy_fn) whose sampled branch sorts only when `ranked`, as two
+    sibling Ifs: the truncation's own sort-or-not If would otherwise sit inside this one's branch, and
+    TensorRT-RTX's Myelin compiler cannot build an If nested in an If branch (DESIGN.md §8).
+
+        If(some_sampled &  ranked) ── sampled_fn(ranked=True)  | greedy_fn ──┐
+        If(some_sampled & ~ranked) ── sampled_fn(ranked=False) | greedy_fn ──┴── pick by `ranked`
+
+    At most one If runs its sampled branch; the other's greedy_fn result (argmaxes) is dropped.
+    """
+    def with_sort(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return sampled_fn(*args, ranked=True)
+
+    def without_sort(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return sampled_fn(*args, ranked=False)
+
+    sorted_out = torch.cond(some_sampled & ranked, with_sort, greedy_fn, operands)
+    unsorted_out = torch.cond(some_sampled & ~ranked, without_sort, greedy_fn, operands)
+    # Boolean select by logic ops: ONNX Runtime has no CPU kernel for Where over bool.
+    return tuple((ranked & a) | (~ranked & b) if a.dtype == torch.bool else torch.where(ranked, a, b)
+                 for a, b in zip(sorted_out, unsorted_out))
 
 
 def _strict_verdict(

@@ -21,7 +21,8 @@ SpecAccept plugin instead of this decomposition.
 
 Cost: one full sort of the vocabulary per verified position (about 0.15 s for 32 rows x 128k tokens on
 two CPU cores) when some row of the step uses top-k or top-p; the sort feeds only those thresholds, and a
-step without them skips it (torch.cond, an ONNX If).
+step without them skips it (torch.cond, an ONNX If). A caller that is itself inside an If branch decides
+sort-or-not outside (`needs_ranking`, `ranked=`): TensorRT-RTX cannot build an If nested in an If branch.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ GREEDY_TEMPERATURE = 1e-5
 PROB_DTYPE = torch.float64
 
 __all__ = [
-    "GREEDY_TEMPERATURE", "PROB_DTYPE", "is_greedy", "sample_inverse_cdf", "truncated_probs",
+    "GREEDY_TEMPERATURE", "PROB_DTYPE", "is_greedy", "needs_ranking", "sample_inverse_cdf", "truncated_probs",
 ]
 
 
@@ -47,14 +48,29 @@ def truncated_probs(
     top_k: torch.Tensor,        # [...] int64
     top_p: torch.Tensor,        # [...] float32
     min_p: torch.Tensor,        # [...] float32
+    *,
+    ranked: bool | None = None,
 ) -> torch.Tensor:
-    """The truncated, renormalized target distribution: [..., V] float64."""
+    """The truncated, renormalized target distribution: [..., V] float64.
+
+    `ranked` is `needs_ranking(top_k, top_p, V)` when the caller knows it (True: sort, False: skip the
+    sort, exact only when no row truncates by rank or mass); None decides in the graph (an ONNX If).
+    """
     safe_temperature = torch.where(is_greedy(temperature), torch.ones_like(temperature), temperature)
     scaled = logits.to(PROB_DTYPE) / safe_temperature.to(PROB_DTYPE)[..., None]   # [..., V]
     probs = torch.softmax(scaled, dim=-1)                                          # [..., V]
-    threshold = _keep_threshold(probs, top_k, top_p, min_p)                        # [...]
+    threshold = _keep_threshold(probs, top_k, top_p, min_p, ranked)                # [...]
     kept = torch.where(probs >= threshold[..., None], probs, torch.zeros_like(probs))
     return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def needs_ranking(
+    top_k: torch.Tensor,   # [...] int64
+    top_p: torch.Tensor,   # [...] float32
+    vocab_size: int | torch.SymInt,
+) -> torch.Tensor:         # [] bool
+    """Whether some row truncates by rank or mass (0 < top_k < V, or top_p < 1), the only use of the sort."""
+    return (((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0)).any()
 
 
 def _keep_threshold(
@@ -62,6 +78,7 @@ def _keep_threshold(
     top_k: torch.Tensor,   # [...]
     top_p: torch.Tensor,   # [...]
     min_p: torch.Tensor,   # [...]
+    ranked: bool | None,
 ) -> torch.Tensor:
     """Smallest probability a token may have and survive all three filters: [...]."""
     vocab_size = probs.shape[-1]
@@ -70,8 +87,11 @@ def _keep_threshold(
     # The sort only matters when some row truncates by rank or mass; without (greedy, plain temperature,
     # min-p alone) the top-k "floor" is the smallest probability and the nucleus floor 0, with no sort.
     # An ONNX If: a step skips the sort, a large part of its sampling cost, unless a row asks for it.
-    needs_sort = ((k < vocab_size) | (top_p < 1.0)).any()
-    floor = torch.cond(needs_sort, _ranked_floor, _untruncated_floor, (probs, k, top_p))   # [...]
+    if ranked is None:
+        floor = torch.cond(needs_ranking(top_k, top_p, vocab_size), _ranked_floor, _untruncated_floor,
+                           (probs, k, top_p))                                      # [...]
+    else:
+        floor = (_ranked_floor if ranked else _untruncated_floor)(probs, k, top_p)
     min_p_floor = min_p.to(PROB_DTYPE) * p_max                                     # [...]
     return torch.minimum(torch.maximum(floor, min_p_floor), p_max)
 
