@@ -19,10 +19,16 @@ def _has_tensorrt() -> bool:
     return importlib.util.find_spec("tensorrt") is not None
 
 
+def _has_tensorrt_rtx() -> bool:
+    return importlib.util.find_spec("tensorrt_rtx") is not None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skips = {
         "gpu": (None if _has_cuda() else "needs a CUDA GPU; none is visible to torch"),
         "trt": (None if _has_tensorrt() else "needs TensorRT; `import tensorrt` fails on this machine"),
+        "trt_build": (None if _has_tensorrt_rtx() else
+                      "needs TensorRT-RTX; pip install -e '.[trt-rtx]' (CPU-only engine builds)"),
     }
     for item in items:
         for marker, reason in skips.items():
