@@ -3,8 +3,9 @@
 Every method's tiny artifact, float16 and float32, goes through `build_engine` exactly as `unispec build`
 runs it: the graph check, TensorRT-RTX's ONNX parser (custom ops import their reference functions), a
 strongly typed network, one optimization profile, the default targets (sm_80 ... sm_121), then engine.plan,
-engine.json and manifest.engine. One structured-output float16 build (bitmask unpacking + both verdict
-Ifs) runs in the fast suite; the method x dtype matrix is `slow` (about 15 exports). Deserializing an
+engine.json and manifest.engine. One structured-output float16 build (bitmask unpacking, both verdict
+Ifs, MLA, MoE) runs in the fast suite; the method x dtype matrix is `slow` (about 15 exports). Artifacts
+come from the session fixture `tiny_artifact_of` (tests/conftest.py). Deserializing an
 engine needs a GPU (`gpu`), as does running one.
 """
 
@@ -24,29 +25,13 @@ from engines.onnx_check import find_problems, load_graph
 from engines.recipe import load_recipe
 from runtime.errors import ArtifactError, UnispecError
 from runtime.manifest import Manifest
-from tests.runtime.artifacts import make_artifact
+from tests.runtime.artifacts import METHOD_CASES
 
 pytestmark = pytest.mark.trt_build
 
 RTX = FLAVOURS["tensorrt-rtx"]
-# one tiny case per method (tests/runtime/artifacts.py CASES)
-METHOD_CASES = {"none": "llama3-none", "mtp": "deepseek-v3-mtp", "nextn": "deepseek-v3-nextn",
-                "eagle3": "deepseek-v3-eagle3", "eagle3-mha": "deepseek-v3-eagle3-mha", "dflash": "llama3-dflash",
-                "gemma4-mtp": "gemma4-gemma4-mtp"}
-FAST_CASE = ("llama3-eagle3-json", "float16")      # structured output: token_bitmask, K = 3
-
-
-@pytest.fixture(scope="session")
-def tiny_artifact_of(tmp_path_factory: pytest.TempPathFactory):
-    """(case, dtype) -> a fresh artifact directory, each exported once per session."""
-    made: dict[tuple[str, str], Path] = {}
-
-    def get(case: str, dtype: str) -> Path:
-        if (case, dtype) not in made:
-            made[case, dtype] = make_artifact(case, tmp_path_factory.mktemp(f"{case}-{dtype}"), dtype=dtype).path
-        return made[case, dtype]
-
-    return get
+# structured output (token_bitmask), K = 3, MLA + MoE; tests/runtime/test_float16.py generates from it too
+FAST_CASE = ("deepseek-v3-mtp-json", "float16")
 
 
 def assert_built(artifact: Path, plan: Path) -> dict:

@@ -33,6 +33,11 @@ CASES: dict[str, tuple[str, str]] = {
     "deepseek-v3-eagle3": ("deepseek-v3", "eagle3"), "deepseek-v3-eagle3-mha": ("deepseek-v3", "eagle3-mha"),
     "gemma4-gemma4-mtp": ("gemma4", "gemma4-mtp"),
 }
+# one case per method, for tests that cover every method once (float16 exports, engine builds)
+METHOD_CASES: dict[str, str] = {
+    "none": "llama3-none", "mtp": "deepseek-v3-mtp", "nextn": "deepseek-v3-nextn", "eagle3": "deepseek-v3-eagle3",
+    "eagle3-mha": "deepseek-v3-eagle3-mha", "dflash": "llama3-dflash", "gemma4-mtp": "gemma4-gemma4-mtp",
+}
 # "<case>-json": the same pair with the test tokenizer and structured output (the `token_bitmask` input)
 JSON_SUFFIX = "-json"
 JSON_CASES: dict[str, tuple[str, str]] = {f"{case}{JSON_SUFFIX}": pair for case, pair in CASES.items()}
