@@ -183,8 +183,11 @@ def _peer_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
               show_default=True, help="Comma-separated batch sizes (requests generated together).")
 @click.option("--temperature", "temperatures", callback=_number_list(float, "--temperature", "0,0.7", 0),
               default="0,0.7", show_default=True, help="Comma-separated temperatures (0 = greedy).")
-@click.option("--repeats", type=int, default=3, show_default=True,
-              help="Timed passes per engine and cell (after one warm-up); the report keeps their medians.")
+@click.option("--repeats", type=int, default=16, show_default=True,
+              help="Timed passes per engine and cell (after one warm-up); pass r takes the next prompts.")
+@click.option("--interleave/--sequential", default=True, show_default=True,
+              help="Alternate the engines within each repeat and take medians of per-repeat speedups (robust on "
+                   "a shared machine), or run each engine's passes back to back.")
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="New tokens per request.")
 @click.option("--threads", type=int, default=None, show_default="all cores",
               help="Intra-op threads for ONNX Runtime, torch and onnxruntime-genai alike.")
