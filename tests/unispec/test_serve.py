@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import urllib.request
 
@@ -95,7 +96,7 @@ def test_32_concurrent_streams_share_the_batch_and_all_finish(url, llm) -> None:
     assert metric(url, "unispec_kv_blocks_used") == 0
 
 
-def test_closing_streams_early_cancels_them_and_frees_their_blocks(url) -> None:
+def test_clients_that_leave_cancel_their_requests_and_free_their_blocks(url) -> None:
     cancelled = 'unispec_requests_total{endpoint="completion",finish_reason="cancelled"}'
     before = metric(url, cancelled)
 
@@ -114,12 +115,23 @@ def test_closing_streams_early_cancels_them_and_frees_their_blocks(url) -> None:
             await asyncio.gather(*(read_two_chunks_and_close(client, p) for p in prompts(8)))
 
     asyncio.run(run())
+    _post_and_hang_up(url, {"model": MODEL, "prompt": "import sys", "max_tokens": 200, "ignore_eos": True})
     for _ in range(100):                       # the server notices each disconnect within a step or so
-        if metric(url, cancelled) - before == 8 and metric(url, "unispec_kv_blocks_used") == 0:
+        if metric(url, cancelled) - before == 9 and metric(url, "unispec_kv_blocks_used") == 0:
             break
         time.sleep(0.1)
-    assert metric(url, cancelled) - before == 8
+    assert metric(url, cancelled) - before == 9
     assert metric(url, "unispec_kv_blocks_used") == 0 and metric(url, "unispec_requests_running") == 0
+
+
+def _post_and_hang_up(url: str, body: dict) -> None:
+    """A non-streamed request whose client leaves before the answer."""
+    payload = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        time.sleep(0.05)
 
 
 def _post(url: str, path: str, body: bytes) -> tuple[int, dict]:
@@ -195,3 +207,12 @@ def test_serve_mistakes_are_one_line(bundled_artifact, tmp_path) -> None:
         result = CliRunner().invoke(main, ["serve", *argv])
         assert result.exit_code in (1, 2) and fragment in result.output, result.output
         assert "Traceback" not in result.output
+
+
+def test_a_chat_template_file_replaces_the_artifacts(llm) -> None:
+    from unispec.serve import ServedModel
+
+    messages = [{"role": "user", "content": "hi"}]
+    model = ServedModel(llm, name="m", max_batch_size=2, chat_template="{{ messages[0]['content'] }}!")
+    assert asyncio.run(model.encode_chat(messages)) == llm.encode("hi!")
+    assert asyncio.run(ServedModel(llm, name="m", max_batch_size=2).encode_chat(messages)) == llm.encode(messages)
