@@ -129,7 +129,8 @@ class ServedModel:
             self.metrics.server_queue -= 1
         started, stream = time.perf_counter(), None
         try:
-            stream = await self.in_thread(self.llm.stream, prompt_ids, params)
+            with anyio.CancelScope(shield=True):     # a request in the engine must be known here, to be cancelled
+                stream = await self.in_thread(self.llm.stream, prompt_ids, params)
             deltas = iter(stream)
             yield None
             while (delta := await self.in_thread(next, deltas, None)) is not None:
