@@ -25,7 +25,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import BackendUnavailableError
+from runtime.errors import BackendUnavailableError, UnispecError
 from unispec.serve import ServeConfig
 
 __all__ = ["app_builder", "deployment", "run_on_ray"]
@@ -83,13 +83,16 @@ def deployment(config: ServeConfig) -> Any:
 
 def _artifact_batch_size(config: ServeConfig) -> int | None:
     """The artifact's max_batch_size when the driver can read it (a cluster's driver may not see it)."""
-    from runtime.errors import UnispecError
     from runtime.manifest import Manifest
 
     try:
-        return Manifest.load(config.artifact_dir).max_batch_size
+        bound = Manifest.load(config.artifact_dir).max_batch_size
     except (UnispecError, OSError):
         return None
+    if config.max_batch_size is not None and config.max_batch_size > bound:   # fail here, not in N replicas
+        raise UnispecError(f"--max-batch-size {config.max_batch_size} is above this artifact's max_batch_size "
+                           f"{bound}; lower it or re-export with `unispec export --max-batch-size`")
+    return bound
 
 
 def app_builder(args: dict[str, str]) -> Any:
@@ -117,13 +120,19 @@ def run_on_ray(config: ServeConfig) -> None:
     import ray
 
     serve = _ray_serve()
+    app = deployment(config)                 # checks what the driver can before starting anything
     address = os.environ.get("RAY_ADDRESS") or None
-    # stop like uvicorn does: SIGTERM and Ctrl-C both tear the deployment down in the finally below
-    signal.signal(signal.SIGTERM, _interrupt)
     ray.init(address=address, include_dashboard=False, logging_level=config.log_level.upper())
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
-        serve.run(deployment(config), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        except Exception as exc:             # e.g. a replica's LLM refused the artifact; Ray logged why above
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UnispecError(f"Ray Serve could not deploy {config.model_name} ({first}); the replicas' errors "
+                               "are in the log above") from None
+        # SIGTERM must reach the finally below too (Python's default would leave the local cluster running)
+        signal.signal(signal.SIGTERM, _interrupt)
         print(f"unispec serve: {config.model_name} on Ray Serve ({_replicas(config)}) at "
               f"http://{config.host}:{config.port}", flush=True)
         while True:
