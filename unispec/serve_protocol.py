@@ -95,17 +95,18 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     model: str
+    # OpenAI marks these nullable: null means the default
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                      # vLLM's -1 also means off
-    min_p: float = 0.0
+    temperature: float | None = None    # 1.0
+    top_p: float | None = None          # 1.0 (off)
+    top_k: int = 0                      # off; vLLM's -1 too
+    min_p: float = 0.0                  # off
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
-    stream: bool = False
+    n: int | None = None                # 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     return_token_ids: bool = False
@@ -116,8 +117,10 @@ class _Request(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
-                max_tokens=self._max_tokens(default_max_tokens), temperature=self.temperature,
-                top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k, min_p=self.min_p, seed=self.seed,
+                max_tokens=self._max_tokens(default_max_tokens),
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
+                min_p=self.min_p, seed=self.seed,
                 stop=(*stop, *(self.stop_token_ids or ())), ignore_eos=self.ignore_eos,
                 json_schema=self.response_format.schema_text() if self.response_format else None)
         except InvalidRequestError as exc:
@@ -127,7 +130,7 @@ class _Request(BaseModel):
         return default if self.max_tokens is None else self.max_tokens
 
     def _refuse_unsupported(self) -> None:
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise APIError(400, f"n={self.n} is not supported; unispec serve returns one choice (n=1)", param="n")
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and not any(value == neutral for neutral in UNSUPPORTED[name]):

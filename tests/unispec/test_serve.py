@@ -174,6 +174,9 @@ def test_errors_through_the_client_and_the_server_keeps_serving(url) -> None:
         client.completions.create(model=MODEL, prompt="x = 1\n" * 200, stream=True)
     assert too_long.value.body["code"] == "context_length_exceeded"
     assert _post(url, "/v1/completions", b"{not json")[0] == 400
+    nulls = {"model": MODEL, "prompt": "a", "max_tokens": 2, "temperature": None, "top_p": None, "n": None,
+             "stop": None, "seed": None, "stream": None}          # OpenAI's nullable fields: null = default
+    assert _post(url, "/v1/completions", json.dumps(nulls).encode())[0] == 200
     assert get(f"{url}/v2/nothing")[0] == 404
     assert client.completions.create(**_greedy(prompt="import os")).choices[0].text
     assert metric(url, 'unispec_rejected_requests_total{status="400"}') >= 3
