@@ -25,13 +25,14 @@ MAX_BATCH = 16
 
 
 def export_bundled(out: Path) -> Path:
-    """models/llama3 + models/llama3-dflash as a small dflash artifact (K = 7) with a chat template."""
+    """models/llama3 + models/llama3-dflash as a small dflash artifact (K = 7) with structured output and a
+    chat template."""
     from export.artifact import export_model
 
     k = json.loads((MODELS / "llama3-dflash" / "config.json").read_text())["block_size"] - 1
     export_model(MODELS / "llama3", MODELS / "llama3-dflash", method="dflash", num_speculative_tokens=k,
                  out_dir=out, block_size=16, max_model_len=MAX_MODEL_LEN, max_batch_size=MAX_BATCH,
-                 max_tokens_per_step=256, progress=False)
+                 max_tokens_per_step=256, structured_output=True, progress=False)
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return out
 
@@ -111,3 +112,14 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)             # the group start_new_session made: this server and its children
     except ProcessLookupError:
         pass
+
+
+def without_structured_output(artifact: Path, out: Path) -> Path:
+    """A copy whose manifest says it has no structured output, as one exported without it says (the graph
+    keeps its all-allowed token_bitmask input: only the refusal is under test)."""
+    import shutil
+
+    shutil.copytree(artifact, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "structured_output": False}))
+    return out

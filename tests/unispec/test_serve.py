@@ -152,8 +152,9 @@ def _post(url: str, path: str, body: bytes) -> tuple[int, dict]:
     ({"prompt": "a", "logprobs": 2}, 400, "logprobs", "not supported"),
     ({"prompt": "def f(): return 1 " * 80}, 400, "prompt", "max_model_len"),
     ({"prompt": [5000]}, 400, "prompt", "token ids must be ints in [0, 1024)"),
-    ({"prompt": "a", "stream": True, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}}, 400, "response_format", "structured output"),
+    ({"prompt": "a", "response_format": {"type": "json_schema"}}, 400, "response_format", "json_schema.schema"),
+    ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     400, "response_format", "json_schema"),
     ({"prompt": "a", "max_tokens": "many"}, 400, "max_tokens", "valid integer"),
     ({}, 400, "prompt", "Field required"),
 ])
@@ -219,3 +220,40 @@ def test_a_chat_template_file_replaces_the_artifacts(llm) -> None:
     model = ServedModel(llm, name="m", max_batch_size=2, chat_template="{{ messages[0]['content'] }}!")
     assert asyncio.run(model.encode_chat(messages)) == llm.encode("hi!")
     assert asyncio.run(ServedModel(llm, name="m", max_batch_size=2).encode_chat(messages)) == llm.encode(messages)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}, "required": ["a", "b"]}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "ab", "schema": SCHEMA, "strict": True}}
+
+
+def test_response_format_json_schema_constrains_the_reply(url) -> None:
+    client = _client(url)
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "an object"}],
+                                           max_tokens=48, temperature=0.0, response_format=JSON_SCHEMA)
+    assert set(json.loads(reply.choices[0].message.content)) == {"a", "b"}
+    chunks = client.completions.create(model=MODEL, prompt="def f():", max_tokens=48, temperature=0.7, seed=1,
+                                       stream=True, extra_body={"response_format": JSON_SCHEMA})   # as vLLM
+    assert isinstance(json.loads("".join(c.choices[0].text for c in chunks if c.choices))["b"], bool)
+
+
+def test_a_schema_for_an_artifact_without_structured_output_is_a_400(bundled_artifact, tmp_path) -> None:
+    import httpx2
+
+    from tests.unispec.serving import without_structured_output
+    from unispec.serve import ServeConfig, load_model
+    from unispec.serve_app import build_app
+
+    plain = without_structured_output(bundled_artifact, tmp_path / "plain")
+    app = build_app(load_model(ServeConfig(artifact_dir=plain, served_model_name=MODEL)))
+
+    async def ask() -> openai.BadRequestError:
+        transport = httpx2.ASGITransport(app=app)          # in process: the same app, no second server
+        async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", max_retries=0,
+                                      http_client=openai.DefaultAsyncHttpxClient(transport=transport)) as client:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
+                                                     response_format=JSON_SCHEMA)
+            return refused.value
+
+    error = asyncio.run(ask())
+    assert error.body["param"] == "response_format" and "--structured-output" in error.body["message"]
