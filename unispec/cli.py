@@ -161,10 +161,18 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
 def serve(**options: Any) -> None:
     """Serve an artifact over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics); with --replicas N on Ray Serve."""
-    from unispec.serve import ServeConfig
-    from unispec.serve import serve as run_server
+    from unispec.serve import ServeConfig, require_serve_extra
 
-    run_server(ServeConfig(**options))
+    config = ServeConfig(**options)
+    require_serve_extra()
+    if config.uses_ray:
+        from unispec.serve_ray import run_on_ray
+
+        run_on_ray(config)
+    else:
+        from unispec.serve_app import run_uvicorn
+
+        run_uvicorn(config)
 
 
 def _number_list(kind: type, flag: str, example: str, lowest: float, none_ok: bool = False):

@@ -1,4 +1,6 @@
 """`unispec serve`: one artifact behind an OpenAI-compatible HTTP API (uvicorn), or on Ray Serve replicas.
+This module holds what both share: the config and the served model; serve_app.py builds the app and
+runs it under uvicorn, serve_ray.py deploys it on Ray Serve.
 
     client ─HTTP─▶ uvicorn ─▶ FastAPI app (serve_app.py) ─▶ ServedModel ─threads─▶ LLM (one engine, one lock)
     client ─HTTP─▶ Ray Serve proxy ─router─▶ replica 1..N, each the same app on its own LLM (serve_ray.py)
@@ -21,7 +23,7 @@ from typing import Any
 from runtime.errors import UnispecError
 from runtime.sequence import RequestOutput
 
-__all__ = ["ServeConfig", "ServedModel", "load_model", "serve"]
+__all__ = ["ServeConfig", "ServedModel", "load_model", "require_serve_extra"]
 
 MIB = 2**20
 
@@ -165,28 +167,12 @@ def load_model(config: ServeConfig) -> ServedModel:
                        chat_template=template)
 
 
-def _require(*modules: str) -> None:
+def require_serve_extra() -> None:
+    """One line naming the extra when the server's libraries are missing."""
     import importlib.util
 
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         from runtime.errors import BackendUnavailableError
 
         raise BackendUnavailableError(f"unispec serve needs {', '.join(missing)}; pip install -e '.[serve]'")
-
-
-def serve(config: ServeConfig) -> None:
-    """Serve until interrupted: uvicorn in this process, or Ray Serve replicas (serve_ray.py)."""
-    _require("fastapi", "uvicorn", "prometheus_client")
-    if config.uses_ray:
-        from unispec.serve_ray import run_on_ray
-
-        run_on_ray(config)
-        return
-    import uvicorn
-
-    from unispec.serve_app import build_app
-
-    app = build_app(load_model(config))
-    # Open streams get a few seconds to finish on Ctrl-C; then they are cut (and their requests cancelled).
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=5)

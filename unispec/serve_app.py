@@ -29,10 +29,10 @@ from starlette.exceptions import HTTPException
 
 from runtime.errors import InvalidRequestError, UnispecError
 from runtime.sequence import RequestOutput
-from unispec.serve import ServedModel
+from unispec.serve import ServeConfig, ServedModel, load_model
 from unispec.serve_protocol import APIError, ChatRequest, CompletionRequest, Reply, error_body, sse
 
-__all__ = ["build_app"]
+__all__ = ["build_app", "run_uvicorn"]
 
 log = logging.getLogger("unispec.serve")
 
@@ -168,3 +168,12 @@ def _error_handlers(app: FastAPI, model: ServedModel) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request %s %s failed", request.method, request.url.path)
         return reply(500, error_body(f"internal error: {_one_line(exc)}", 500))
+
+
+def run_uvicorn(config: ServeConfig) -> None:
+    """Serve the config's model in this process until interrupted."""
+    import uvicorn
+
+    app = build_app(load_model(config))
+    # Open streams get a few seconds to finish on Ctrl-C; then they are cut (and their requests cancelled).
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=5)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import BackendUnavailableError, UnispecError
-from unispec.serve import ServeConfig
+from unispec.serve import ServeConfig, load_model
 
 __all__ = ["app_builder", "deployment", "run_on_ray"]
 
@@ -67,8 +67,6 @@ def deployment(config: ServeConfig) -> Any:
         """One replica: loads its LLM, then Ray Serve asks it for the ASGI app to serve."""
 
         def __init__(self, replica_config: ServeConfig) -> None:
-            from unispec.serve import load_model
-
             self.model = load_model(replica_config)
 
         def __serve_build_asgi_app__(self) -> Any:
