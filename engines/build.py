@@ -186,6 +186,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def describe_engine(plan_path: Path) -> str:
+    """One line for `unispec build`: the engine, its size, build time, flavour, version and targets."""
+    settings = json.loads((plan_path.parent / ENGINE_SETTINGS).read_text())
+    return (f"engine: {plan_path} ({plan_path.stat().st_size / 2**20:.1f} MiB, built in "
+            f"{settings['build_seconds']:.1f} s with {settings['flavour']} {settings['tensorrt_version']} for "
+            f"{', '.join(settings['compute_capabilities'])})")
+
+
 def describe_plan(manifest: Manifest, plan: BuildPlan) -> list[Any]:
     """rich tables of a build plan (for `unispec build --dry-run`): dims, then per-input profile shapes."""
     from rich.table import Table

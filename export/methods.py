@@ -1,10 +1,10 @@
 """The speculative methods (DESIGN.md §1), declared once: one `Method` per method, and nothing else to edit.
 
-A method names the target families it accepts, the draft architecture it reads (declared in that arch's
-folder), its step builder (a real callable), what kind of drafter it is (which step module, which training
+A method names the target families it accepts, the draft architecture it reads (export/archs), its step builder (a real callable), what kind of drafter it is (which step module, which training
 loss), where K comes from (the user, or the draft checkpoint as for DFlash's block size) and its tiny
 recipe (which tiny draft checkpoint `unispec tiny` writes per family). The CLI's choices, `unispec tiny`,
-`make models` and export all read `METHODS`. Adding a method = its arch folder + one entry here (+ tests).
+`make models` and export all read `METHODS`. Adding a method = its arch folder + one entry here (+ tests);
+a draft architecture new to unispec also gets its `ArchEntry` in export/archs/__init__.py.
 
 Every builder has the signature
     build(target: Checkpoint, draft: Checkpoint | None, *, k: int, dtype: torch.dtype | None) -> UnifiedStep
@@ -17,14 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from export.archs import FAMILIES, ArchEntry, find_arch
-from export.archs.dflash import ARCH as DFLASH
+from export.archs import ARCHS, FAMILIES, ArchEntry, find_arch
 from export.archs.dflash.model import build_dflash_step
-from export.archs.eagle3 import ARCH as EAGLE3
 from export.archs.eagle3.model import build_eagle3_mha_step, build_eagle3_step
-from export.archs.gemma4_assistant import ARCH as GEMMA4_ASSISTANT
 from export.archs.gemma4_assistant.model import build_gemma4_mtp_step
-from export.archs.nextn import ARCH as NEXTN
 from export.archs.nextn.model import build_mtp_step, build_nextn_step
 from export.step.sequential import build_target_only
 from export.tiny import drafts as tiny
@@ -73,16 +69,16 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            tiny={family: None for family in FAMILIES}),
     Method(name="mtp", targets=("deepseek-v3",), draft=None, build=build_mtp_step, drafter="sequential",
            tiny={"deepseek-v3": None}),
-    Method(name="nextn", targets=("deepseek-v3",), draft=NEXTN, build=build_nextn_step, drafter="sequential",
+    Method(name="nextn", targets=("deepseek-v3",), draft=ARCHS["nextn"], build=build_nextn_step, drafter="sequential",
            tiny={"deepseek-v3": tiny.write_nextn}),
-    Method(name="eagle3", targets=("deepseek-v3", "llama3"), draft=EAGLE3, build=build_eagle3_step,
+    Method(name="eagle3", targets=("deepseek-v3", "llama3"), draft=ARCHS["eagle3"], build=build_eagle3_step,
            drafter="sequential", tiny={"llama3": tiny.write_eagle3_midlayer, "deepseek-v3": tiny.write_eagle3_mla}),
-    Method(name="eagle3-mha", targets=("deepseek-v3", "llama3"), draft=EAGLE3, build=build_eagle3_mha_step,
+    Method(name="eagle3-mha", targets=("deepseek-v3", "llama3"), draft=ARCHS["eagle3"], build=build_eagle3_mha_step,
            drafter="sequential",
            tiny={"llama3": tiny.write_eagle3_midlayer, "deepseek-v3": tiny.write_eagle3_layers0}),
-    Method(name="dflash", targets=("llama3",), draft=DFLASH, build=build_dflash_step, drafter="block",
+    Method(name="dflash", targets=("llama3",), draft=ARCHS["dflash"], build=build_dflash_step, drafter="block",
            k_from_checkpoint=_dflash_k, tiny={"llama3": tiny.write_dflash}),
-    Method(name="gemma4-mtp", targets=("gemma4",), draft=GEMMA4_ASSISTANT, build=build_gemma4_mtp_step,
+    Method(name="gemma4-mtp", targets=("gemma4",), draft=ARCHS["gemma4-assistant"], build=build_gemma4_mtp_step,
            drafter="assistant", tiny={"gemma4": tiny.write_gemma4_assistant}),
 )}
 

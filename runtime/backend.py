@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import weakref
 from collections.abc import Callable, Mapping
 from functools import cache
@@ -150,7 +151,7 @@ class PersistentInputBuffers:
     def view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A C-contiguous array of `shape` over the start of `name`'s buffer (no copy, stable address)."""
         flat = self._flat[name]
-        size = int(np.prod(shape))
+        size = math.prod(shape)
         if size > flat.size:
             raise UnispecError(f"step input {name!r} needs shape {shape}, beyond the artifact's bounds "
                                 f"{self.bounds}; the scheduler must keep steps within the manifest's limits")

@@ -194,14 +194,18 @@ class Stream:
             while True:
                 seen = len(tracker.token_ids)
                 self._llm._drive(lambda seen=seen: tracker.output is not None or len(tracker.token_ids) > seen)
-                if not as_text and len(tracker.token_ids) > sent_tokens:
-                    yield tracker.token_ids[sent_tokens:]
-                    sent_tokens = len(tracker.token_ids)
+                # Other threads' steps advance this request outside our lock: read "finished" before the
+                # tokens, and count what was read rather than what is there later, so nothing is skipped.
+                finished = tracker.output is not None
+                new_tokens = [] if as_text else tracker.token_ids[sent_tokens:]
+                if new_tokens:
+                    sent_tokens += len(new_tokens)
+                    yield new_tokens
                 text = self._visible_text() if as_text else ""
                 if text.startswith(sent_text) and len(text) > len(sent_text):
                     yield text[len(sent_text):]
                     sent_text = text
-                if tracker.output is not None:
+                if finished:
                     return
         finally:
             self.cancel()                        # a no-op once finished; also forgets the tracker

@@ -99,9 +99,7 @@ def export(**options: Any) -> None:
 def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, flavour: str | None,
           compute_capabilities: tuple[str, ...], dry_run: bool) -> None:
     """Build a TensorRT engine into an artifact directory (engine.plan, engine.json, manifest.engine)."""
-    import json
-
-    from engines.build import ENGINE_SETTINGS, build_engine, describe_plan, load_artifact, plan_build
+    from engines.build import build_engine, describe_engine, describe_plan, load_artifact, plan_build
     from engines.recipe import load_recipe
 
     if dry_run:
@@ -111,12 +109,8 @@ def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, fla
         for renderable in describe_plan(manifest, plan_build(manifest, load_recipe(recipe))):
             Console().print(renderable)
         return
-    plan = build_engine(artifact_dir, recipe=recipe, timing_cache=timing_cache, flavour=flavour,
-                        compute_capabilities=compute_capabilities)
-    settings = json.loads((plan.parent / ENGINE_SETTINGS).read_text())
-    click.echo(f"engine: {plan} ({plan.stat().st_size / 2**20:.1f} MiB, built in {settings['build_seconds']:.1f} s "
-               f"with {settings['flavour']} {settings['tensorrt_version']} for "
-               f"{', '.join(settings['compute_capabilities'])})")
+    click.echo(describe_engine(build_engine(artifact_dir, recipe=recipe, timing_cache=timing_cache, flavour=flavour,
+                                            compute_capabilities=compute_capabilities)))
 
 
 @main.command()
@@ -165,6 +159,46 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
     Console(highlight=False, soft_wrap=True).print(f"[dim]{escape(stream.output.summary())}[/dim]")
 
 
+@main.command()
+@click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--backend", type=click.Choice(("ort", "trt")), default="ort", show_default=True)
+@click.option("--served-model-name", default=None, show_default="the artifact directory's name",
+              help="The `model` clients name in their requests.")
+@click.option("--max-batch-size", type=int, default=None, show_default="the artifact's",
+              help="Requests in the engine at once; later ones wait for a slot.")
+@click.option("--max-model-len", type=int, default=None, show_default="the artifact's",
+              help="Longest prompt + output; may only lower the artifact's.")
+@click.option("--kv-memory-mib", type=int, default=None, show_default="256", help="KV pool budget per LLM.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Jinja chat template to use instead of the artifact's tokenizer_config.json one.")
+@click.option("--replicas", type=int, default=1, show_default=True,
+              help="More than 1 deploys on Ray Serve (extra `serve`), one LLM per replica.")
+@click.option("--max-replicas", type=int, default=None, help="Ray Serve autoscales between --replicas and this.")
+@click.option("--ray", is_flag=True, help="Deploy on Ray Serve even with one replica (joins RAY_ADDRESS if set).")
+@click.option("--cpus-per-replica", type=float, default=1.0, show_default=True, help="Ray resources per replica.")
+@click.option("--gpus-per-replica", type=float, default=None, show_default="1 with --backend trt, else 0",
+              help="Ray resources per replica.")
+@click.option("--log-level", type=click.Choice(("debug", "info", "warning", "error")), default="info",
+              show_default=True)
+def serve(**options: Any) -> None:
+    """Serve an artifact over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics); with --replicas N on Ray Serve."""
+    from unispec.serve import ServeConfig, require_serve_extra
+
+    config = ServeConfig(**options)
+    require_serve_extra()
+    if config.uses_ray:
+        from unispec.serve_ray import run_on_ray
+
+        run_on_ray(config)
+    else:
+        from unispec.serve_app import run_uvicorn
+
+        run_uvicorn(config)
+
+
 def _number_list(kind: type, flag: str, example: str, lowest: float, none_ok: bool = False):
     """A click callback: "1,4,16" -> (1, 4, 16); a one-line error for anything else."""
 
@@ -197,8 +231,11 @@ def _peer_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
               show_default=True, help="Comma-separated batch sizes (requests generated together).")
 @click.option("--temperature", "temperatures", callback=_number_list(float, "--temperature", "0,0.7", 0),
               default="0,0.7", show_default=True, help="Comma-separated temperatures (0 = greedy).")
-@click.option("--repeats", type=int, default=3, show_default=True,
-              help="Timed passes per engine and cell (after one warm-up); the report keeps their medians.")
+@click.option("--repeats", type=int, default=16, show_default=True,
+              help="Timed passes per engine and cell (after one warm-up); pass r takes the next prompts.")
+@click.option("--interleave/--sequential", default=True, show_default=True,
+              help="Alternate the engines within each repeat and take medians of per-repeat speedups (robust on "
+                   "a shared machine), or run each engine's passes back to back.")
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="New tokens per request.")
 @click.option("--threads", type=int, default=None, show_default="all cores",
               help="Intra-op threads for ONNX Runtime, torch and onnxruntime-genai alike.")
@@ -338,7 +375,7 @@ def demo(models_dir: Path, cache_dir: Path, max_tokens: int) -> None:
     with the speed-up over target-only decoding."""
     from rich.console import Console
 
-    from export.demo import run_demo
+    from unispec.demo import run_demo
 
     if not run_demo(models_dir, cache_dir, Console(), max_tokens=max_tokens):
         raise click.ClickException("speculative output differs from target-only output: please report this")

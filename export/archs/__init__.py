@@ -1,10 +1,10 @@
 """The architecture registry: which config class reads which Hugging Face checkpoint.
 
-Declarative on purpose (no `if arch == ...` chains). Target families are listed here (`TARGETS`); a draft
-architecture is declared by its own folder (`export/archs/<arch>/__init__.py: ARCH`) and reaches the registry
-through the methods that use it (export/methods.py), so adding a method never touches this file. Names are
-the one spelling used everywhere (CLI, registry, manifest, README): `llama3`, `deepseek-v3`, `gemma4`,
-`nextn`, `eagle3`, `dflash`, `gemma4-assistant`. Config classes are imported only when used.
+Declarative on purpose (no `if arch == ...` chains): each entry names the HF `architectures`, `model_type`
+values and config keys it accepts and where its config class lives; modules are imported only when used.
+Target families and draft architectures are listed here; the methods that pair them are export/methods.py.
+Names are the one spelling used everywhere (CLI, registry, manifest, README): `llama3`, `deepseek-v3`,
+`gemma4`, `nextn`, `eagle3`, `dflash`, `gemma4-assistant` (the folders are their snake_case).
 `architectures` wins over `model_type`, because drafts reuse their target's model_type (an Eagle3 head
 says `llama`, a NextN checkpoint says `deepseek_v3`).
 """
@@ -54,20 +54,26 @@ TARGETS: tuple[ArchEntry, ...] = (
               architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
               model_types=("gemma4", "gemma4_text")),
 )
+DRAFTS: tuple[ArchEntry, ...] = (
+    ArchEntry(name="nextn", role="draft", config="export.archs.nextn.config:NextNConfig",
+              architectures=("DeepseekV3ForCausalLMNextN",)),
+    ArchEntry(name="eagle3", role="draft", config="export.archs.eagle3.config:Eagle3Config",
+              architectures=("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3DeepseekV2ForCausalLM",
+                             "Eagle3DeepseekV3ForCausalLM", "DeepseekV3ForCausalLMEagle3")),
+    ArchEntry(name="dflash", role="draft", config="export.archs.dflash.config:DFlashConfig",
+              architectures=("DFlashDraftModel",), config_keys=("dflash_config",)),
+    ArchEntry(name="gemma4-assistant", role="draft",
+              config="export.archs.gemma4_assistant.config:Gemma4AssistantConfig",
+              architectures=("Gemma4AssistantForCausalLM",), model_types=("gemma4_assistant",)),
+)
+REGISTRY: tuple[ArchEntry, ...] = TARGETS + DRAFTS
+ARCHS: dict[str, ArchEntry] = {entry.name: entry for entry in REGISTRY}
 FAMILIES: tuple[str, ...] = tuple(t.name for t in TARGETS)
-
-
-def registry() -> tuple[ArchEntry, ...]:
-    """Every architecture: the target families, then each draft architecture some method uses."""
-    from export.methods import METHODS
-
-    drafts = {m.draft.name: m.draft for m in METHODS.values() if m.draft is not None}
-    return TARGETS + tuple(drafts.values())
 
 
 def find_arch(hf_config: Mapping[str, Any]) -> ArchEntry:
     """The registry entry for a config.json dict, or a ConfigError naming what was found."""
-    entries = registry()
+    entries = REGISTRY
     architectures = hf_config.get("architectures") or ()
     for entry in entries:
         if any(a in entry.architectures for a in architectures):

@@ -130,6 +130,8 @@ def test_build_engine_reuses_and_rewrites_the_timing_cache(tmp_path: Path, monke
                                    "reference_functions": ["SpecAccept"]}
     assert settings["flavour"] == "tensorrt" and settings["compute_capabilities"] == ["sm_90"]
     assert settings["engine_bytes"] == len(b"ENGINE")
+    line = build_module.describe_engine(art / ENGINE_PLAN)        # what `unispec build` prints
+    assert line.startswith(f"engine: {art / ENGINE_PLAN} (0.0 MiB, built in ") and "with tensorrt 11.4.0 for sm_90)" in line
     engine = Manifest.load(art).engine
     assert engine["recipe"] == "decode-heavy" and engine["flavour"] == "tensorrt"
     assert (art / ENGINE_PLAN).read_bytes() == b"ENGINE" and _leftovers(art) == [] and _leftovers(cache.parent) == []
