@@ -21,9 +21,7 @@ a builder failure quotes TensorRT's own first error, each in one line that says 
 
 from __future__ import annotations
 
-import importlib
 import logging
-import pkgutil
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,8 +41,6 @@ __all__ = ["PLUGIN_NAMESPACE", "PLUGIN_VERSION", "BuildResult", "build_serialize
 log = logging.getLogger(__name__)
 
 PLUGIN_NAMESPACE, PLUGIN_VERSION = "unispec", "1"     # the attributes every custom node carries (DESIGN.md §4)
-# The plugins package's single registration entry point (written alongside plugins/<op>/trt.py).
-REGISTER_ALL = "plugins.trt_common:register_all"
 # Warnings logged at debug level only: TensorRT warns once per inlined function call that node names repeat
 # (each call of a reference function reuses the function's node names), hundreds of lines on a real graph;
 # and that int64 inputs/outputs need int64 bindings, which the runtime binds by design.
@@ -65,42 +61,17 @@ class BuildResult:
     targets: tuple[str, ...] = ()        # compute capabilities the plan was built for
 
 
-def register_plugins(ops: tuple[str, ...]) -> None:
-    """Register unispec's TensorRT plugins (tensorrt.plugin decorators) before parsing (TensorRT 11 only).
+def register_plugins() -> None:
+    """Register unispec's TensorRT plugins (tensorrt.plugin decorators, plugins.trt_common.register_all)
+    before parsing (TensorRT 11 only). A registration that fails (say, Triton missing) is only a warning:
+    the parser then imports each node's ONNX reference function instead."""
+    from plugins.trt_common import register_all
 
-    Calls `plugins.trt_common.register_all()` when it exists; otherwise calls `register()` of
-    `plugins/<op>/trt.py` for each custom op the graph uses (PagedAttention -> plugins/paged_attention/trt.py).
-    A missing plugin is not an error here: the parser then imports the node's ONNX reference function instead.
-    """
-    module_name, function = REGISTER_ALL.split(":")
     try:
-        register_all = getattr(importlib.import_module(module_name), function, None)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        register_all = None
-    if register_all is not None:
-        try:
-            register_all()
-        except ImportError as exc:          # e.g. Triton missing: the ops build as reference functions
-            log.warning("unispec TensorRT plugins could not be registered (%s); custom ops will be built "
-                        "from their ONNX reference functions", exc)
-        return
-    import plugins
-
-    folders = {info.name.replace("_", ""): info.name for info in pkgutil.iter_modules(plugins.__path__)}
-    for op in ops:
-        folder = folders.get(op.lower())
-        if folder is None:
-            continue
-        try:
-            module = importlib.import_module(f"plugins.{folder}.trt")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"plugins.{folder}.trt":
-                raise
-            continue
-        if callable(getattr(module, "register", None)):      # plugins declare themselves inside register()
-            module.register()
+        register_all()
+    except ImportError as exc:
+        log.warning("unispec TensorRT plugins could not be registered (%s); custom ops will be built "
+                    "from their ONNX reference functions", exc)
 
 
 def check_graph(model: Path) -> None:
@@ -243,7 +214,7 @@ def build_serialized(model: Path, manifest: Manifest, recipe: Recipe, shapes: Ma
     logger = _logger(trt)
     plugin_ops: tuple[str, ...] = ()
     if flavour.plugins:
-        register_plugins(manifest.ops)
+        register_plugins()
         plugin_ops = tuple(op for op in manifest.ops if _registered(trt, op))
     missing = sorted(set(manifest.ops) - set(plugin_ops))
     if missing and recipe.require_plugins:

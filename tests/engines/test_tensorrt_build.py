@@ -23,31 +23,13 @@ from runtime.errors import BackendUnavailableError
 from runtime.manifest import Manifest
 
 
-def test_register_plugins_prefers_the_plugins_entry_point(monkeypatch) -> None:
+def test_register_plugins_calls_the_plugins_entry_point(monkeypatch) -> None:
     calls = []
     fake = types.ModuleType("plugins.trt_common")
     fake.register_all = lambda: calls.append("all")
     monkeypatch.setitem(sys.modules, "plugins.trt_common", fake)
-    tensorrt_build.register_plugins(("PagedAttention",))
+    tensorrt_build.register_plugins()
     assert calls == ["all"]
-
-
-def test_register_plugins_falls_back_to_each_ops_trt_module(monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "plugins.trt_common", None)      # no entry point
-    registered = []
-    real_import = tensorrt_build.importlib.import_module
-
-    def fake_import(name: str):
-        if name.endswith(".trt"):                # the real ones need tensorrt: stand-ins that record register()
-            module = types.ModuleType(name)
-            module.register = lambda: registered.append(name)
-            return module
-        return real_import(name)
-
-    monkeypatch.setattr(tensorrt_build.importlib, "import_module", fake_import)
-    tensorrt_build.register_plugins(("PagedAttention", "PagedMLA", "MoE", "SpecAccept", "NotAnOp"))
-    assert registered == ["plugins.paged_attention.trt", "plugins.paged_mla.trt", "plugins.moe.trt",
-                          "plugins.spec_accept.trt"]
 
 
 def test_a_failing_plugin_registration_is_a_warning(monkeypatch, caplog) -> None:
@@ -59,7 +41,7 @@ def test_a_failing_plugin_registration_is_a_warning(monkeypatch, caplog) -> None
 
     fake.register_all = register_all
     monkeypatch.setitem(sys.modules, "plugins.trt_common", fake)
-    tensorrt_build.register_plugins(("PagedAttention",))
+    tensorrt_build.register_plugins()
     assert "no triton" in caplog.text and "reference functions" in caplog.text
 
 
