@@ -48,6 +48,7 @@ class _Tracker:
     """What a caller has received of one request so far (filled by the engine's listener)."""
 
     token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)      # a stream's text deltas, final as they arrive
     output: RequestOutput | None = None
 
 
@@ -83,29 +84,31 @@ class LLM:
 
     def encode(self, prompt: Prompt, where: str = "prompt") -> list[int]:
         """A prompt as token ids: text through the tokenizer, chats through its template, ids as given."""
+        ids = self._token_ids(prompt, where)
+        validate_prompt(ids, self.manifest, where, self.engine.max_model_len)
+        return ids
+
+    def _token_ids(self, prompt: Prompt, where: str) -> list[int]:
         if isinstance(prompt, str) or _is_chat(prompt):
             if self.tokenizer is None:
                 raise InvalidRequestError(f"{where} is text but this artifact has no {TOKENIZER_FILE}; "
                                           "pass token ids instead")
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.tokenizer.encode_chat(prompt)
-        elif isinstance(prompt, Sequence):
-            ids = list(prompt)
-        else:
-            raise InvalidRequestError(f"{where} is a {type(prompt).__name__}; pass a string, a list of token ids "
-                                      "or a list of chat messages")
-        validate_prompt(ids, self.manifest, where, self.engine.max_model_len)
-        return ids
+            return self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.tokenizer.encode_chat(prompt)
+        if isinstance(prompt, Sequence):
+            return list(prompt)
+        raise InvalidRequestError(f"{where} is a {type(prompt).__name__}; pass a string, a list of token ids "
+                                  "or a list of chat messages")
 
-    def _submit(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[Hashable]:
-        """Check every request, then queue them all (nothing is queued when one is bad)."""
-        encoded = [self.encode(p, f"prompt {i}") for i, p in enumerate(prompts)]
+    def _submit(self, prompts: list[Prompt], params: list[SamplingParams], *, stream: bool = False) -> list[Hashable]:
+        """Check every request (once), then queue them all (nothing is queued when one is bad)."""
+        encoded = [self._token_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         with self._lock:
-            for ids, sp in zip(encoded, params):
-                self.engine.check_request(ids, sp)
+            checked = [self.engine.check_request(ids, sp, f"prompt {i}")
+                       for i, (ids, sp) in enumerate(zip(encoded, params))]
             request_ids = []
             try:
-                for ids, sp in zip(encoded, params):
-                    request_ids.append(self.engine.add_request(ids, sp))
+                for request in checked:
+                    request_ids.append(self.engine.add_checked(request, stream=stream))
                     self._trackers[request_ids[-1]] = _Tracker()
             except BaseException:
                 self._cancel(request_ids)
@@ -132,7 +135,7 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Stream:
         """Submit one request now; iterate the result for text deltas (token-id lists without a tokenizer)."""
         params = params or SamplingParams()
-        (request_id,) = self._submit([prompt], [params])
+        (request_id,) = self._submit([prompt], [params], stream=self.tokenizer is not None)
         return Stream(self, request_id, self._trackers[request_id], params)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
@@ -143,10 +146,12 @@ class LLM:
 
     # --- the shared engine ----------------------------------------------------------------------------------
 
-    def _on_update(self, request_id: Hashable, token_ids: list[int], output: RequestOutput | None) -> None:
+    def _on_update(self, request_id: Hashable, token_ids: list[int], text: str, output: RequestOutput | None) -> None:
         tracker = self._trackers.get(request_id)
         if tracker is not None:
             tracker.token_ids.extend(token_ids)
+            if text:
+                tracker.text.append(text)
             if output is not None:
                 tracker.output = output
 
@@ -189,7 +194,7 @@ class Stream:
 
     def __iter__(self) -> Iterator[str] | Iterator[list[int]]:
         tracker, as_text = self._tracker, self._llm.tokenizer is not None
-        sent_tokens, sent_text = 0, ""
+        sent_tokens, sent_texts, sent_text = 0, 0, ""
         try:
             while True:
                 seen = len(tracker.token_ids)
@@ -197,25 +202,20 @@ class Stream:
                 if not as_text and len(tracker.token_ids) > sent_tokens:
                     yield tracker.token_ids[sent_tokens:]
                     sent_tokens = len(tracker.token_ids)
-                text = self._visible_text() if as_text else ""
-                if text.startswith(sent_text) and len(text) > len(sent_text):
-                    yield text[len(sent_text):]
-                    sent_text = text
+                # the engine hands over only text that can no longer change (runtime/detokenizer.py); the
+                # final text may add what was held back, or cut a tail that turned into a stop string
+                delta = "".join(tracker.text[sent_texts:])
+                sent_texts = len(tracker.text)
+                if tracker.output is not None:
+                    final = tracker.output.text
+                    delta = final[len(sent_text):] if final.startswith(sent_text) else ""
+                if as_text and delta:
+                    yield delta
+                    sent_text += delta
                 if tracker.output is not None:
                     return
         finally:
             self.cancel()                        # a no-op once finished; also forgets the tracker
-
-    def _visible_text(self) -> str:
-        """The text that can no longer change: the final text, or all but a possibly growing tail."""
-        tracker = self._tracker
-        if tracker.output is not None:
-            return tracker.output.text
-        text = self._llm.tokenizer.decode(tracker.token_ids).rstrip("\ufffd")   # half a UTF-8 character
-        for stop in self._params.stop_strings:
-            held = next((j for j in range(len(stop) - 1, 0, -1) if text.endswith(stop[:j])), 0)
-            text = text[:len(text) - held]     # might become a stop string, which is cut from the output
-        return text
 
 
 def _is_chat(prompt: object) -> bool:
