@@ -137,6 +137,7 @@ class Manifest:
         missing = [p.name for p in self.pools if p.name not in names]
         if missing:
             raise ArtifactError(f"manifest: pools {missing} are not graph inputs; the artifact is damaged, re-export it")
+        check_fields(self)
 
     def blocks_per_row(self, context_len: int | None = None) -> int:
         """Block-table width of a row with `context_len` tokens (default max_model_len): its positions plus
@@ -175,7 +176,7 @@ class Manifest:
             tok["files"], tok["eos_token_ids"] = tuple(tok.get("files", ())), tuple(tok.get("eos_token_ids", ()))
             d["tokenizer"] = TokenizerInfo(**tok)
             return cls(**d)
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ArtifactError(f"manifest: missing or malformed field ({exc}); the artifact is damaged, "
                                 "re-export it") from None
 
@@ -213,3 +214,113 @@ def dim_value(dim: int | str, env: Mapping[str, int], *, tensor: str | None = No
                                     "with this unispec version")
         total += product
     return total
+
+
+# --- bounds -------------------------------------------------------------------------------------------------
+# The largest size an artifact may ask for. A manifest is checked against them when it is built or loaded,
+# before anything is sized from it, so a damaged or crafted one fails in one line instead of allocating
+# until the kernel kills the process (README "Limits"). Each is above what vLLM / TensorRT-LLM deployments
+# configure; the memory an artifact's sizes need is bounded separately (runtime/artifact_check.py).
+MAX_SPECULATIVE_TOKENS = 16          # K of sequential drafters: K draft forwards per step, unrolled in the graph
+MAX_BLOCK_DRAFT_TOKENS = 31          # DFlash: K = its checkpoint's block_size - 1, drafted in one block forward
+BLOCK_DRAFT_METHODS = ("dflash",)
+MAX_BATCH_SIZE = 4096                # rows per step
+MAX_TOKENS_PER_STEP = 131072         # new tokens per step over all rows
+MAX_MODEL_LEN = 1 << 24              # 16M positions per sequence
+MAX_VOCAB_SIZE = 1 << 22
+MAX_BLOCK_SIZE = 1024                # positions per KV block
+MAX_NOISE_CHANNELS = 64
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+# field -> (lowest, highest); num_speculative_tokens depends on the method
+_SIZES = {"vocab_size": (1, MAX_VOCAB_SIZE), "block_size": (1, MAX_BLOCK_SIZE), "max_model_len": (2, MAX_MODEL_LEN),
+          "max_batch_size": (1, MAX_BATCH_SIZE), "max_tokens_per_step": (1, MAX_TOKENS_PER_STEP),
+          "noise_channels": (1, MAX_NOISE_CHANNELS)}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a manifest dtype."""
+    return _DTYPE_BYTES[dtype]
+
+
+def max_speculative_tokens(method: str) -> int:
+    """The largest K an artifact of `method` may have (sequential drafters 16, DFlash 31)."""
+    return MAX_BLOCK_DRAFT_TOKENS if method in BLOCK_DRAFT_METHODS else MAX_SPECULATIVE_TOKENS
+
+
+def check_fields(m: Manifest) -> None:
+    """Every field has its type and lies within its bounds; a one-line ArtifactError naming the field."""
+    for name in ("method", "target_arch"):
+        _require(name, getattr(m, name), isinstance(getattr(m, name), str), "a string")
+    _require("draft_arch", m.draft_arch, m.draft_arch is None or isinstance(m.draft_arch, str), "a string or null")
+    _require("dtype", m.dtype, m.dtype in FLOAT_DTYPES, f"one of {', '.join(FLOAT_DTYPES)}")
+    _require("structured_output", m.structured_output, isinstance(m.structured_output, bool), "true or false")
+    k_limit = max_speculative_tokens(m.method)
+    for name, (lowest, highest) in (*_SIZES.items(), ("num_speculative_tokens", (0, k_limit))):
+        value = getattr(m, name)
+        _require(name, value, _is_int(value) and lowest <= value <= highest, f"an int in [{lowest}, {highest}]")
+    for i, pool in enumerate(m.pools):
+        _check_pool(f"pools[{i}]", pool)
+    for kind, specs in (("inputs", m.inputs), ("outputs", m.outputs)):
+        for spec in specs:
+            dims_ok = isinstance(spec.shape, tuple) and all(
+                (_is_int(d) and d >= 0) or (isinstance(d, str) and d.strip()) for d in spec.shape)
+            _require(f"{kind}[{spec.name!r}].shape", spec.shape, isinstance(spec.name, str) and dims_ok,
+                     "a list of dims, each an int >= 0 or a dim name")
+    _check_files(m)
+    _check_token_ids(m)
+
+
+def _check_pool(where: str, pool: PoolSpec) -> None:
+    _require(f"{where}.name", pool.name, pool.name in DELTA_OF_POOL, f"one of {', '.join(DELTA_OF_POOL)}")
+    _require(f"{where}.delta", pool.delta, pool.delta == DELTA_OF_POOL[pool.name], repr(DELTA_OF_POOL[pool.name]))
+    for name in ("num_layers", "width"):
+        value = getattr(pool, name)
+        _require(f"{where}.{name}", value, _is_int(value) and value >= 1, "an int >= 1")
+    _require(f"{where}.dtype", pool.dtype, pool.dtype in FLOAT_DTYPES, f"one of {', '.join(FLOAT_DTYPES)}")
+
+
+def artifact_files(m: Manifest) -> tuple[str, ...]:
+    """Every file the manifest names, manifest.json first (plain names inside the artifact directory)."""
+    return tuple(dict.fromkeys([MANIFEST_NAME, *(name for _, name in _named_files(m) if name is not None)]))
+
+
+def _named_files(m: Manifest) -> list[tuple[str, object]]:
+    engine = m.engine if isinstance(m.engine, dict) else {}
+    return [("model_file", m.model_file), ("weights_file", m.weights_file), ("ort_model_file", m.ort_model_file),
+            *((f"tokenizer.files[{i}]", name) for i, name in enumerate(m.tokenizer.files)),
+            ("engine.plan", engine.get("plan")), ("engine.settings", engine.get("settings"))]
+
+
+def _check_files(m: Manifest) -> None:
+    """Artifacts are flat directories: a named file is a plain name, so it cannot point outside one."""
+    _require("engine", m.engine, m.engine is None or isinstance(m.engine, dict), "an object or null")
+    _require("tokenizer.files", m.tokenizer.files, isinstance(m.tokenizer.files, tuple), "a list of file names")
+    for field_name, name in _named_files(m):
+        _require(field_name, name, (name is None and field_name != "model_file") or _plain_name(name),
+                 "a plain file name inside the artifact directory (no directory part, not absolute)")
+
+
+def _check_token_ids(m: Manifest) -> None:
+    tok = m.tokenizer
+    ids = [("bos_token_id", tok.bos_token_id), ("think_start_id", tok.think_start_id),
+           ("think_end_id", tok.think_end_id)]
+    ids += [("eos_token_ids", t) for t in tok.eos_token_ids]
+    for name, value in ids:
+        _require(f"tokenizer.{name}", value, value is None or (_is_int(value) and 0 <= value < m.vocab_size),
+                 f"a token id in [0, {m.vocab_size})")
+
+
+def _plain_name(name: object) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0:")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require(field_name: str, value: object, ok: bool, expected: str) -> None:
+    if not ok:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise ArtifactError(f"manifest: {field_name} is {shown}; expected {expected}. The artifact is damaged or "
+                            "was edited: re-export it")
