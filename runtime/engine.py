@@ -82,8 +82,8 @@ class Engine:
         self.backend, self.k = backend, m.num_speculative_tokens
         self.eos_token_ids, self.detokenize = frozenset(eos_token_ids), detokenize
         self.grammars, self.listener = grammars, listener
-        self.max_model_len = _bounded("max_model_len", max_model_len, m.max_model_len, lower=2)
-        chunk = _bounded("prefill_chunk", prefill_chunk, m.max_tokens_per_step, lower=1)
+        self.max_model_len = bounded("max_model_len", max_model_len, m.max_model_len, lower=2)
+        chunk = bounded("prefill_chunk", prefill_chunk, m.max_tokens_per_step, lower=1)
         self.blocks = BlockManager(backend.num_blocks, m.block_size)
         self.scheduler = Scheduler(self.blocks, k=self.k, max_batch_size=m.max_batch_size,
                                    max_tokens_per_step=m.max_tokens_per_step, prefill_chunk=chunk)
@@ -317,7 +317,8 @@ class Engine:
         return self.detokenize(seq.generated[:-1] if seq.stopped_by_token else seq.generated)
 
 
-def _bounded(name: str, value: int | None, upper: int, *, lower: int) -> int:
+def bounded(name: str, value: int | None, upper: int, *, lower: int) -> int:
+    """A setting that may lower one of the artifact's limits: None (the limit itself) or an int in range."""
     if value is None:
         return upper
     if isinstance(value, bool) or not isinstance(value, int) or not lower <= value <= upper:

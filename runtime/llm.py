@@ -19,15 +19,18 @@ requests; the others carry on with the next step.
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from threading import RLock
 from typing import Any
 
+from runtime.artifact_check import check_artifact, check_step_memory
 from runtime.backends import load_backend
 from runtime.blocks import num_blocks_for_budget
-from runtime.engine import Engine, RequestOutput
+from runtime.engine import Engine, RequestOutput, bounded
 from runtime.errors import ArtifactError, InvalidRequestError, UnispecError
 from runtime.manifest import Manifest
 from runtime.sampling_params import SamplingParams
@@ -38,6 +41,7 @@ from runtime.tokenizer import TOKENIZER_FILE, TextTokenizer
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLM", "Stream"]
 
 DEFAULT_KV_MEMORY_BYTES = 256 * 2**20
+MAX_NUM_BLOCKS = 2**31 - 1               # block ids stay int32 for kernels that index pools with them
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 Params = SamplingParams | Sequence[SamplingParams] | None
@@ -55,20 +59,21 @@ class _Tracker:
 class LLM:
     def __init__(self, artifact_dir: str | Path, backend: str = "ort", *, num_blocks: int | None = None,
                  kv_memory_bytes: int | None = None, max_model_len: int | None = None,
-                 prefill_chunk: int | None = None, **backend_options: Any) -> None:
+                 prefill_chunk: int | None = None, step_memory_bytes: int | None = None,
+                 **backend_options: Any) -> None:
         """`num_blocks` sizes the KV pools directly; otherwise `kv_memory_bytes` (default 256 MiB) does,
         counting target and draft pools, capped at what a full batch of max_model_len requests can use.
-        `max_model_len` may lower the artifact's; `prefill_chunk` caps the tokens a prompt feeds per step."""
+        `max_model_len` may lower the artifact's; `prefill_chunk` caps the tokens a prompt feeds per step;
+        `step_memory_bytes` (default 8 GiB) bounds the persistent step buffers the artifact's sizes ask for.
+        The artifact and every setting are checked before anything is allocated (runtime/artifact_check.py)."""
         self.artifact_dir = Path(artifact_dir)
         if not self.artifact_dir.is_dir():
             raise ArtifactError(f"{artifact_dir}: no such directory; pass an artifact written by `unispec export`")
         self.manifest = m = Manifest.load(self.artifact_dir)
-        if num_blocks is None:
-            budget = DEFAULT_KV_MEMORY_BYTES if kv_memory_bytes is None else kv_memory_bytes
-            num_blocks = num_blocks_for_budget(m, budget, max_model_len)
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise InvalidRequestError(f"num_blocks={num_blocks!r} is invalid; use an int >= 1")
-        self.num_blocks = num_blocks
+        check_artifact(self.artifact_dir, m)
+        check_step_memory(m, _setting("step_memory_bytes", step_memory_bytes))
+        bounded("max_model_len", max_model_len, m.max_model_len, lower=2)
+        self.num_blocks = num_blocks = _pool_blocks(m, num_blocks, kv_memory_bytes, max_model_len)
         self.tokenizer = TextTokenizer.from_dir(self.artifact_dir)
         self.backend = load_backend(backend, self.artifact_dir, m, num_blocks=num_blocks, **backend_options)
         grammars = None if self.tokenizer is None else \
@@ -79,6 +84,9 @@ class LLM:
                              listener=self._on_update)
         self._lock = RLock()
         self._trackers: dict[Hashable, _Tracker] = {}
+        # ids of streams collected unread: cancelled by the next caller under the lock (a finalizer may run
+        # in the middle of a step, where cancelling is not safe)
+        self._abandoned: deque[Hashable] = deque()
 
     # --- prompts ------------------------------------------------------------------------------------------
 
@@ -103,6 +111,7 @@ class LLM:
         """Check every request (once), then queue them all (nothing is queued when one is bad)."""
         encoded = [self._token_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         with self._lock:
+            self._reap()
             checked = [self.engine.check_request(ids, sp, f"prompt {i}")
                        for i, (ids, sp) in enumerate(zip(encoded, params))]
             request_ids = []
@@ -159,6 +168,7 @@ class LLM:
         """Run steps (for everyone's requests) until `done()` holds."""
         while True:
             with self._lock:
+                self._reap()
                 if done():
                     return
                 steps = self.engine.num_steps
@@ -166,6 +176,11 @@ class LLM:
                 if self.engine.num_steps == steps and not done():
                     raise UnispecError("the engine scheduled nothing while requests wait; this is a bug, "
                                        "please report it with the LLM's settings")
+
+    def _reap(self) -> None:
+        """Cancel the streams collected unread (with the lock held): they must stop using steps and blocks."""
+        while self._abandoned:
+            self._cancel([self._abandoned.popleft()])
 
     def _cancel(self, request_ids: Sequence[Hashable]) -> None:
         with self._lock:
@@ -177,12 +192,14 @@ class LLM:
 class Stream:
     """One streamed request. Iterate once for deltas; `output` holds the RequestOutput once finished.
 
-    Leaving the iteration early (break, an exception, `cancel()`) cancels the request and frees its blocks.
+    Leaving the iteration early (break, an exception, `cancel()` / `close()`) cancels the request and frees
+    its blocks; so does dropping a stream that was never iterated (when it is garbage collected).
     """
 
     def __init__(self, llm: LLM, request_id: Hashable, tracker: _Tracker, params: SamplingParams) -> None:
         self.request_id = request_id
         self._llm, self._tracker, self._params = llm, tracker, params
+        self._collected = weakref.finalize(self, llm._abandoned.append, request_id)
 
     @property
     def output(self) -> RequestOutput | None:
@@ -190,7 +207,10 @@ class Stream:
 
     def cancel(self) -> None:
         """Stop the request now (its output, finish_reason "cancelled", keeps what was generated)."""
+        self._collected.detach()
         self._llm._cancel([self.request_id])
+
+    close = cancel
 
     def __iter__(self) -> Iterator[str] | Iterator[list[int]]:
         tracker, as_text = self._tracker, self._llm.tokenizer is not None
@@ -244,3 +264,19 @@ def _params_for(params: Params, n: int) -> list[SamplingParams]:
         raise InvalidRequestError(f"params must be one SamplingParams or one per prompt ({n}); got "
                                   f"{len(params)} items")
     return params
+
+
+def _setting(name: str, value: int | None) -> int | None:
+    """A byte budget: None (the default) or an int >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidRequestError(f"{name}={value!r} is invalid; use an int >= 1 (bytes)")
+    return value
+
+
+def _pool_blocks(m: Manifest, num_blocks: int | None, kv_memory_bytes: int | None, max_model_len: int | None) -> int:
+    if num_blocks is None:
+        budget = _setting("kv_memory_bytes", kv_memory_bytes)
+        num_blocks = num_blocks_for_budget(m, DEFAULT_KV_MEMORY_BYTES if budget is None else budget, max_model_len)
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 1 <= num_blocks <= MAX_NUM_BLOCKS:
+        raise InvalidRequestError(f"num_blocks={num_blocks!r} is invalid; use an int in [1, {MAX_NUM_BLOCKS}]")
+    return num_blocks

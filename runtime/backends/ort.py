@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from runtime import manifest as io
+from runtime.artifact_check import check_pool_memory
 from runtime.backend import PersistentInputBuffers, numpy_dtype, shape_of, step_bounds
-from runtime.errors import ArtifactError, BackendUnavailableError, UnispecError
+from runtime.errors import ArtifactError, BackendUnavailableError, InvalidRequestError, UnispecError
 
 __all__ = ["OrtBackend", "default_providers"]
 
@@ -59,6 +60,7 @@ class OrtBackend:
                  providers: Sequence[str] | None = None, num_threads: int | None = None) -> None:
         if num_blocks < 1:
             raise UnispecError(f"num_blocks must be >= 1, got {num_blocks}")
+        check_pool_memory(manifest, num_blocks)             # the pools live in host memory
         self.manifest, self.num_blocks = manifest, num_blocks
         self.session = _open_session(Path(artifact_dir), manifest, providers, num_threads)
         pool_names = {p.name for p in manifest.pools}
@@ -67,8 +69,12 @@ class OrtBackend:
         self._own_inputs = PersistentInputBuffers(self._step_specs, bounds)   # for feeds we cannot bind as given
         self._outputs = PersistentInputBuffers(manifest.outputs, bounds)      # same mechanics, for outputs
         self._binding = self.session.io_binding()
-        self.pools = {p.name: np.zeros((num_blocks, p.num_layers, manifest.block_size, p.width),
-                                       dtype=numpy_dtype(p.dtype)) for p in manifest.pools}
+        try:
+            self.pools = {p.name: np.zeros((num_blocks, p.num_layers, manifest.block_size, p.width),
+                                           dtype=numpy_dtype(p.dtype)) for p in manifest.pools}
+        except MemoryError:
+            raise InvalidRequestError(f"cannot allocate KV pools of {num_blocks} blocks (out of memory); lower "
+                                      "num_blocks or kv_memory_bytes") from None
         ort = _ort()
         # OrtValues over the pools' memory; kept alive here because the binding only references them.
         self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(pool) for name, pool in self.pools.items()}
