@@ -16,15 +16,24 @@ DRAFT_KINDS = ("none", "mtp", "nextn", "eagle3", "eagle3-mha", "dflash", "gemma4
 
 
 class _Group(click.Group):
-    """Turns unispec's own errors into one clear line (exit 1) unless `--debug` asks for the traceback."""
+    """Turns unispec's own errors into one clear line (exit 1) unless `--debug` asks for the traceback;
+    anything else that escapes (a bug, or a failure nobody anticipated) is one line too."""
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
         except UnispecError as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
             raise click.ClickException(str(exc)) from None
+        except Exception as exc:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            reason = " ".join(str(exc).split())[:300] or "no message"
+            raise click.ClickException(f"unexpected {type(exc).__name__}: {reason}; rerun with --debug for the "
+                                       "traceback and please report it") from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -49,7 +58,10 @@ _CHECKPOINT_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 @click.option("--num-speculative-tokens", type=int, default=3, show_default=True,
               help="Draft tokens per step (K), fixed per artifact; ignored by `none`.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Artifact directory (an existing artifact there is replaced once the new one is complete).")
+              help="Artifact directory (an existing artifact there is replaced once the new one is complete; "
+                   "a directory holding anything else is refused).")
+@click.option("--force", is_flag=True,
+              help="Write into an --out that holds other files: only files with an artifact's names are replaced.")
 @click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), default="float32",
               show_default=True, help="Weights and KV pools.")
 @click.option("--structured-output", is_flag=True, help="Add the token_bitmask input for grammars.")
@@ -117,7 +129,8 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
-    params = SamplingParams(json_schema=json_schema.read_text() if json_schema else None, **sampling)
+    params = SamplingParams(json_schema=_text_file(json_schema, "--json-schema") if json_schema else None,
+                            **sampling)
     try:
         request = [int(t) for t in prompt_ids.split(",")] if prompt_ids is not None else prompt
     except ValueError:
@@ -133,6 +146,15 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
         click.echo(re.sub(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", "", text), nl=False)
     click.echo()
     Console(highlight=False, soft_wrap=True).print(f"[dim]{escape(stream.output.summary())}[/dim]")
+
+
+def _text_file(path: Path, flag: str) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnispecError(f"{flag} {path} is not UTF-8 text (byte {exc.start} is not); save it as UTF-8") from None
+    except OSError as exc:
+        raise UnispecError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
 
 
 def _number_list(kind: type, flag: str, example: str, lowest: float, none_ok: bool = False):
@@ -254,7 +276,10 @@ def inspect(artifact_dir: Path) -> None:
     from rich.console import Console
 
     from export.artifact import read_artifact
+    from runtime.artifact_check import check_artifact
+    from runtime.manifest import Manifest
 
+    check_artifact(artifact_dir, Manifest.load(artifact_dir))     # files inside it, manifest fields vs graph
     console = Console()
     for table in _artifact_tables(artifact_dir, read_artifact(artifact_dir)):
         console.print(table)
