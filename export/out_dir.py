@@ -57,11 +57,12 @@ def plan_out_dir(out: Path, force: bool = False) -> OutPlan:
     foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if p.name not in old_files)
     if not foreign:
         return OutPlan(out, "replace", old_files)
-    shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
     if not force:
-        raise ExportError(f"--out {out} is not a unispec artifact: it holds {shown}, which an artifact does not; "
-                          "choose another directory, or pass --force to write the artifact into it (only files "
-                          "with an artifact's names are replaced, the rest stays)")
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        what = "holds other files too" if old_files else f"has no {io.MANIFEST_NAME} of ours"
+        raise ExportError(f"--out {out} is not a unispec artifact: it {what} ({shown}); choose another "
+                          "directory, or pass --force to write the artifact into it (only files with an "
+                          "artifact's names are replaced, the rest stays)")
     return OutPlan(out, "merge", old_files)
 
 

@@ -165,6 +165,7 @@ class Manifest:
             if unknown:
                 raise ArtifactError(f"manifest: unknown fields {unknown}; the artifact was written by a newer "
                                     "unispec, upgrade or re-export")
+            check_layout(d)
             d = dict(d)
             d["pools"] = tuple(PoolSpec(**p) for p in d["pools"])
             d["inputs"] = tuple(TensorSpec(name=t["name"], dtype=t["dtype"], shape=tuple(t["shape"]))
@@ -269,6 +270,29 @@ def check_fields(m: Manifest) -> None:
                      "a list of dims, each an int >= 0 or a dim name")
     _check_files(m)
     _check_token_ids(m)
+
+
+def check_layout(d: Mapping[str, Any]) -> None:
+    """The JSON's nesting (lists of objects where the manifest has them), so a malformed one names its field."""
+    for name in ("pools", "inputs", "outputs"):
+        if name in d:
+            items = d[name]
+            _require(name, items, isinstance(items, list) and all(
+                isinstance(i, dict) and isinstance(i.get("shape", []), list) for i in items),
+                "a list of objects (a tensor's shape a list)")
+    for name in ("tokenizer", "exporter", "engine"):
+        _require(name, d.get(name), d.get(name) is None or isinstance(d.get(name), dict), "an object or null")
+    exporter, tokenizer = d.get("exporter") or {}, d.get("tokenizer") or {}
+    _require("exporter", exporter, all(isinstance(v, str) for v in (*exporter, *exporter.values())),
+             "an object of package -> version strings")
+    for name, values in (("ops", d.get("ops", [])), ("tokenizer.files", tokenizer.get("files", [])),
+                         ("tokenizer.eos_token_ids", tokenizer.get("eos_token_ids", []))):
+        _require(name, values, isinstance(values, list), "a list")
+    _require("ops", d.get("ops"), all(isinstance(v, str) for v in d.get("ops", [])), "a list of op names")
+    for name in ("target_checkpoint", "draft_checkpoint"):
+        _require(name, d.get(name), d.get(name) is None or isinstance(d.get(name), str), "a path or null")
+    _require("format_version", d.get("format_version"), _is_int(d.get("format_version", FORMAT_VERSION)),
+             "an int")
 
 
 def _check_pool(where: str, pool: PoolSpec) -> None:

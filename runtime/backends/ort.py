@@ -137,6 +137,7 @@ def _open_session(artifact_dir: Path, manifest: io.Manifest, providers: Sequence
     if manifest.weights_file and not (artifact_dir / manifest.weights_file).is_file():
         raise ArtifactError(f"{artifact_dir}: no {manifest.weights_file} (the model's weights); the artifact "
                             "is damaged, re-export it")
+    _check_options(ort, providers, num_threads)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if num_threads is not None:
@@ -149,6 +150,18 @@ def _open_session(artifact_dir: Path, manifest: io.Manifest, providers: Sequence
                             "re-export it") from None
     _check_io(session, manifest, model)
     return session
+
+
+def _check_options(ort: Any, providers: Sequence[str] | None, num_threads: int | None) -> None:
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                    or not 0 <= num_threads <= 4096):
+        raise InvalidRequestError(f"num_threads={num_threads!r} is invalid; use an int in [0, 4096] (0 = ONNX "
+                                  "Runtime's default)")
+    if providers is not None:
+        available = ort.get_available_providers()
+        if isinstance(providers, str) or not all(isinstance(p, str) and p in available for p in providers):
+            raise InvalidRequestError(f"providers={providers!r} is invalid; use a list of this onnxruntime's "
+                                      f"providers: {', '.join(available)}")
 
 
 def _check_io(session: Any, manifest: io.Manifest, model: Path) -> None:
