@@ -50,6 +50,10 @@ class OutPlan(NamedTuple):
 
 def plan_out_dir(out: Path, force: bool = False) -> OutPlan:
     """How the export will write `out` (absolute); a one-line ExportError when it must not or cannot."""
+    return _os_call(out, lambda: _plan(out, force))      # type: ignore[return-value]
+
+
+def _plan(out: Path, force: bool) -> OutPlan:
     _check_writable(out)
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return OutPlan(out, "new", frozenset())

@@ -140,12 +140,15 @@ def test_a_read_only_filesystem_at_write_time_is_one_line(tmp_path: Path, monkey
     assert "\n" not in str(info.value)
 
 
-def test_a_250_character_name_is_written(tmp_path: Path) -> None:
+def test_a_250_character_name_is_written_and_a_256_character_one_is_one_line(tmp_path: Path) -> None:
     out = tmp_path / ("a" * 250)
     with staging(plan_out_dir(out)) as tmp:
         assert len(tmp.name) < 255
         write_fake_artifact(tmp)
     assert Manifest.load(out).method == "eagle3" and sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    with pytest.raises(ExportError, match="cannot write there: File name too long") as info:
+        plan_out_dir(tmp_path / ("b" * 256))
+    assert "\n" not in str(info.value)
 
 
 # --- item 6: SIGTERM and kill -9 -------------------------------------------------------------------------------------

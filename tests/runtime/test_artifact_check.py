@@ -127,6 +127,8 @@ def test_every_named_file_lies_inside_the_artifact(edited, tiny_artifact, tmp_pa
 def test_sizes_from_a_crafted_manifest_are_refused_before_anything_is_allocated(edited) -> None:
     huge = edited(lambda d: d.update(max_batch_size=10**9, max_tokens_per_step=10**9))
     assert "max_batch_size is 1000000000; expected an int in [1, 4096]" in refused(huge)
+    result = CliRunner().invoke(main, ["run", str(huge), "--prompt-ids", "5,6"])     # it allocated ~24 GB
+    assert result.exit_code == 1 and result.output.count("\n") == 1 and "max_batch_size is 1000000000" in result.output
     within_bounds = edited(lambda d: d.update(max_batch_size=4096, max_tokens_per_step=131072))
     need = step_buffer_bytes(Manifest.load(within_bounds))
     assert need > SMALL_BUDGET
