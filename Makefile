@@ -20,8 +20,10 @@ RECIPE ?=
 TIMING_CACHE ?=
 # make bench ART=artifacts/x [BENCH_ARGS="--baseline artifacts/none --batch-sizes 1 --json out.json --plot out.png"]
 BENCH_ARGS ?=
+# make serve ART=artifacts/x [SERVE_ARGS="--port 8000 --replicas 2"]: OpenAI-compatible server (README "Serving")
+SERVE_ARGS ?=
 
-.PHONY: install test test-all lint demo models export engines bench clean
+.PHONY: install test test-all lint demo models export engines bench serve clean
 
 install: $(STAMP)
 
@@ -62,6 +64,10 @@ engines: install
 
 bench: install
 	$(UNISPEC) bench $(ART) $(BENCH_ARGS)
+
+serve: install
+	@test -d "$(ART)" || { echo "usage: make serve ART=artifact_dir [SERVE_ARGS=\"--port 8000 --replicas 2\"]"; exit 2; }
+	$(UNISPEC) serve $(ART) $(SERVE_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -52,7 +52,7 @@ class ExportSettings:
     """What an export was asked for, validated before any checkpoint is read."""
 
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int | None   # None: the method's default (the checkpoint's for DFlash, else 3)
     dtype: str = "float32"
     structured_output: bool = False
     block_size: int = 16                 # KV pool block (tokens per block), static in the graph
@@ -67,7 +67,8 @@ class ExportSettings:
                   ("--max-model-len", self.max_model_len, 2, io.MAX_MODEL_LEN),
                   ("--max-batch-size", self.max_batch_size, 1, io.MAX_BATCH_SIZE),
                   ("--max-tokens-per-step", self.max_tokens_per_step, 1, io.MAX_TOKENS_PER_STEP)]
-        if self.method != "none":                # `none` ignores K; K >= 1 is checked with the method itself
+        if self.method != "none" and self.num_speculative_tokens is not None:
+            # `none` ignores K; K >= 1 is checked with the method, a K read from a checkpoint after building
             bounds.append(("--num-speculative-tokens", self.num_speculative_tokens, -sys.maxsize,
                            io.max_speculative_tokens(self.method)))
         for flag, value, lowest, highest in bounds:
@@ -91,7 +92,7 @@ class ExportSettings:
 
 
 def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *, method: str,
-                 num_speculative_tokens: int, out_dir: str | Path, dtype: str = "float32",
+                 num_speculative_tokens: int | None = None, out_dir: str | Path, dtype: str = "float32",
                  structured_output: bool = False, block_size: int = 16, max_model_len: int = 2048,
                  max_batch_size: int = 16, max_tokens_per_step: int = 512, progress: bool | None = None,
                  force: bool = False) -> Path:
@@ -152,6 +153,9 @@ def _build(settings: ExportSettings, target_dir: Path, draft_dir: str | Path | N
 
     dtype = getattr(torch, settings.dtype)         # weights are read straight into the export dtype
     step = build_step(settings.method, target_dir, draft_dir, k=settings.num_speculative_tokens, dtype=dtype)
+    if step.k > io.max_speculative_tokens(settings.method):        # a K the draft checkpoint decided
+        raise ExportError(f"method {settings.method}: K = {step.k} (from {draft_dir}) is above unispec's limit of "
+                          f"{io.max_speculative_tokens(settings.method)}; use a drafter with a smaller block")
     step.structured_output = settings.structured_output
     return step.eval()
 
@@ -222,7 +226,7 @@ def _pools(inputs: tuple[TensorSpec, ...], step: UnifiedStep) -> tuple[PoolSpec,
 
 def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSettings, sources: dict[str, Any],
               tokenizer: TokenizerInfo, out: Path) -> Manifest:
-    from export.spec import NOISE_CHANNELS
+    from plugins.spec_accept.acceptance import NOISE_CHANNELS
 
     inputs = tensor_specs(graph.input)
     return Manifest(

@@ -118,8 +118,7 @@ def _one_step(run_step: RunStep, geo: StepGeometry, pools: PagedPools, rows: lis
     inputs = [_row_inputs(r, k, geo.prefill_chunk) for r in rows]
     ids = [r.index for r in rows]
     for r, (tokens, _, _) in zip(rows, inputs):
-        # merged positions plus the K-1 sequential draft steps must have blocks (DESIGN.md §3).
-        pools.reserve(r.index, pools.lengths[r.index] + len(tokens) + 2 * k + 1)
+        pools.reserve(r.index, pools.lengths[r.index] + len(tokens) + io.step_reach(k))
     lengths = [len(t) for t, _, _ in inputs]
     cache = pools.cache_lengths(ids)
     feeds = {
@@ -144,9 +143,8 @@ def _one_step(run_step: RunStep, geo: StepGeometry, pools: PagedPools, rows: lis
     }
     out = run_step(feeds)
     num_accepted = out[io.NUM_ACCEPTED].tolist()
-    starts = (feeds[io.ROW_OFFSETS][:-1] + torch.arange(len(rows)) * k).tolist()
     deltas = {name: out[io.DELTA_OF_POOL[name]] for name in geo.pools}
-    pools.commit(ids, deltas, starts, [n + a for n, a in zip(lengths, num_accepted)])
+    pools.commit(ids, deltas, *io.delta_segments(feeds[io.ROW_OFFSETS].numpy(), out[io.NUM_ACCEPTED].numpy(), k))
     next_tokens, next_drafts = out[io.NEXT_TOKENS].tolist(), out[io.NEXT_DRAFT_TOKENS].tolist()
     for r, (tokens, drafts, following), a, nxt, nd in zip(rows, inputs, num_accepted, next_tokens, next_drafts):
         if r.prefilled < len(r.request.prompt):

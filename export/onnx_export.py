@@ -26,7 +26,8 @@ def example_feeds(step: UnifiedStep, *, lengths: Sequence[int] = (2, 3, 4), cach
     """Valid random inputs for one step: distinct shuffled blocks per row, drafts within `vocab`."""
     g = torch.Generator().manual_seed(seed)
     batch, k = len(lengths), step.k
-    max_blocks = -(-(max(c + n for c, n in zip(cache_lengths, lengths)) + 2 * k + 1) // block_size)
+    max_blocks = io.blocks_per_row(max(c + n for c, n in zip(cache_lengths, lengths)), num_speculative_tokens=k,
+                                   block_size=block_size)
     num_blocks = batch * max_blocks + 3
     feeds = {
         io.TOKENS: torch.randint(1, vocab, (sum(lengths),), generator=g),

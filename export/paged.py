@@ -5,8 +5,8 @@ This is the reference loop's (and the tests') pool owner; the production one is 
 as DESIGN.md §3 prescribes. Blocks are handed out from a shuffled free list so tests exercise
 non-contiguous block tables.
 
-Commit rule (DESIGN.md §3): for row b with `n` new committed positions, the first `n` rows of that row's
-segment of each delta are written at positions cache_lengths[b] ... cache_lengths[b] + n - 1.
+Commit rule (DESIGN.md §3, implemented once in runtime.manifest): for row b with `n` new committed positions,
+the first `n` rows of that row's segment of each delta are written at positions cache_lengths[b] ... + n - 1.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+
+from runtime import manifest as io
 
 
 class PagedPools:
@@ -62,12 +64,12 @@ class PagedPools:
 
         deltas: pool name -> [N, L, W] (the graph's `kv_delta` / `draft_kv_delta`).
         """
-        for row, start, n in zip(rows, segment_starts, counts):
-            first = self.lengths[row]
-            self.reserve(row, first + n)
-            pos = torch.arange(first, first + n)
-            blocks = torch.tensor(self.tables[row], dtype=torch.int64)[pos // self.block_size]
-            offsets = pos % self.block_size
-            for name, delta in deltas.items():
-                self.pools[name][blocks, :, offsets] = delta[start:start + n].to(self.pools[name].dtype)
-            self.lengths[row] = first + n
+        for row, n in zip(rows, counts):
+            self.reserve(row, self.lengths[row] + n)
+        slots, delta_rows = (torch.from_numpy(a) for a in io.segment_slots(
+            segment_starts, counts, self.cache_lengths(rows).numpy(), self.block_table(rows).numpy(),
+            block_size=self.block_size))
+        for name, delta in deltas.items():
+            io.write_committed(self.pools[name], delta.to(self.pools[name].dtype), slots, delta_rows, self.block_size)
+        for row, n in zip(rows, counts):
+            self.lengths[row] += int(n)

@@ -80,7 +80,6 @@ class TorchBackend:
     def commit(self, outputs: Mapping[str, np.ndarray], slots: np.ndarray, rows: np.ndarray) -> None:
         """For every pool: pool[slots // block_size, :, slots % block_size] = its delta[rows]."""
         slots, rows = np.asarray(slots, dtype=np.int64), np.asarray(rows, dtype=np.int64)   # [N], [N]
-        blocks, offsets = np.divmod(slots, self.manifest.block_size)                        # [N], [N]
         for pool in self.manifest.pools:
-            # advanced indices around a slice: the indexed view is [N, L, W], as delta[rows] is
-            self.pools[pool.name][blocks, :, offsets] = np.asarray(outputs[pool.delta])[rows]
+            io.write_committed(self.pools[pool.name], np.asarray(outputs[pool.delta]), slots, rows,
+                               self.manifest.block_size)

@@ -133,9 +133,9 @@ def _check_fields(m: Manifest, graph: Graph) -> None:
     unpooled = [n for n in graph.inputs if n in io.DELTA_OF_POOL and n not in {p.name for p in m.pools}]
     if unpooled:
         raise ArtifactError(f"manifest: pools do not list the graph's pool inputs {unpooled}; {_REEXPORT}")
-    if m.structured_output != (io.TOKEN_BITMASK in graph.inputs):
-        raise ArtifactError(f"manifest: structured_output is {m.structured_output} but the graph "
-                            f"{'lacks' if m.structured_output else 'has'} {io.TOKEN_BITMASK}; {_REEXPORT}")
+    if m.structured_output and io.TOKEN_BITMASK not in graph.inputs:   # (a bitmask left unused is harmless)
+        raise ArtifactError(f"manifest: structured_output is True but the graph lacks {io.TOKEN_BITMASK}; "
+                            f"{_REEXPORT}")
     for name, (dtype, dims) in _contract(m).items():
         declared = graph.inputs.get(name) or graph.outputs.get(name)
         if declared is not None:

@@ -77,11 +77,8 @@ def shape_of(spec: io.TensorSpec, env: Mapping[str, int]) -> tuple[int, ...]:
 
 def step_bounds(manifest: io.Manifest) -> dict[str, int]:
     """The largest value each dynamic dim takes in any step the runtime schedules."""
-    k = manifest.num_speculative_tokens
-    # a row reserves blocks for cache + input + 2K + 1 positions (the draft steps write past the merge)
-    max_blocks = -(-(manifest.max_model_len + 2 * k + 1) // manifest.block_size)
     return {"batch": manifest.max_batch_size, "num_tokens": manifest.max_tokens_per_step,
-            "max_blocks": max_blocks}
+            "max_blocks": manifest.blocks_per_row()}
 
 
 @cache
@@ -158,7 +155,7 @@ class PersistentInputBuffers:
     def view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A C-contiguous array of `shape` over the start of `name`'s buffer (no copy, stable address)."""
         flat = self._flat[name]
-        size = int(np.prod(shape))
+        size = math.prod(shape)
         if size > flat.size:
             raise UnispecError(f"step input {name!r} needs shape {shape}, beyond the artifact's bounds "
                                 f"{self.bounds}; the scheduler must keep steps within the manifest's limits")

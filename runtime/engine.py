@@ -57,15 +57,19 @@ class CheckedRequest:
 
 @dataclass
 class StepTimings:
-    """Wall time of the steps run since the last reset, split where the step graph runs.
+    """Wall and CPU time of the steps run since the last reset, split where the step graph runs.
 
     graph_s is the backend's `run` call (the step graph); host_s is the rest of `Engine.step`: scheduling,
-    filling the feeds, committing the KV deltas and advancing the requests.
+    filling the feeds, committing the KV deltas and advancing the requests. The *_cpu_s twins are process
+    CPU time over the same spans: on a shared machine wall time also counts other processes' turns, CPU
+    time does not (with 1 intra-op thread it is the step's own work).
     """
 
     steps: int = 0
     graph_s: float = 0.0
     host_s: float = 0.0
+    graph_cpu_s: float = 0.0
+    host_cpu_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -90,7 +94,8 @@ class Engine:
         specs = backend.input_specs()
         self.buffers = PersistentInputBuffers(specs, step_bounds(m))
         self._input_names = frozenset(s.name for s in specs)
-        self._positions = np.arange(m.max_model_len + 2 * self.k + 2, dtype=np.int64)   # copied from, never grown
+        # copied from, never grown: a row's positions plus one step's reach past them
+        self._positions = np.arange(m.max_model_len + 1 + io.step_reach(self.k), dtype=np.int64)
         self._ids = count()
         self.num_steps = 0
         self.timings = StepTimings()
@@ -172,7 +177,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step over the scheduled rows; returns the requests that finished in it."""
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         plan = self.scheduler.schedule()
         if not plan:
             return []
@@ -182,9 +187,9 @@ class Engine:
         # (A half-done commit only wrote positions at or past each row's cache length, which nothing reads.)
         try:
             feeds = self._feeds(plan)
-            graph_started = time.perf_counter()
+            graph_started, graph_started_cpu = time.perf_counter(), time.process_time()
             outputs = self.backend.run(feeds)
-            graph_s = time.perf_counter() - graph_started
+            graph_s, graph_cpu_s = time.perf_counter() - graph_started, time.process_time() - graph_started_cpu
             self._commit(feeds, outputs)
         except BaseException:
             for stream, checkpoint in noise:
@@ -193,8 +198,9 @@ class Engine:
         self.num_steps += 1
         finished = self._advance(plan, outputs)
         t = self.timings
-        t.steps, t.graph_s = t.steps + 1, t.graph_s + graph_s
+        t.steps, t.graph_s, t.graph_cpu_s = t.steps + 1, t.graph_s + graph_s, t.graph_cpu_s + graph_cpu_s
         t.host_s += time.perf_counter() - started - graph_s
+        t.host_cpu_s += time.process_time() - started_cpu - graph_cpu_s
         return finished
 
     def _feeds(self, plan: Plan) -> dict[str, np.ndarray]:
@@ -245,15 +251,10 @@ class Engine:
 
     def _commit(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
         """The commit rule, vectorised: every committed (row, position) pair becomes one (slot, delta row)."""
-        offsets, bs = feeds[io.ROW_OFFSETS], self.manifest.block_size
-        batch = len(offsets) - 1
-        counts = np.diff(offsets) + outputs[io.NUM_ACCEPTED]                             # [B]
-        seg_starts = offsets[:-1] + np.arange(batch) * self.k                            # [B] in the delta
-        row_of = np.repeat(np.arange(batch), counts)                                     # [N]
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)   # [N]
-        positions = feeds[io.CACHE_LENGTHS][row_of] + within                             # [N]
-        slots = feeds[io.BLOCK_TABLE][row_of, positions // bs] * bs + positions % bs     # [N]
-        self.backend.commit(outputs, slots, seg_starts[row_of] + within)
+        slots, rows = io.committed_slots(feeds[io.ROW_OFFSETS], outputs[io.NUM_ACCEPTED], feeds[io.CACHE_LENGTHS],
+                                         feeds[io.BLOCK_TABLE], num_speculative_tokens=self.k,
+                                         block_size=self.manifest.block_size)
+        self.backend.commit(outputs, slots, rows)
 
     def _advance(self, plan: Plan, outputs: dict[str, np.ndarray]) -> list[RequestOutput]:
         accepted = outputs[io.NUM_ACCEPTED].tolist()

@@ -39,6 +39,3 @@ class OutOfBlocksError(UnispecError):
 class BackendUnavailableError(UnispecError):
     """A backend's library (TensorRT, onnxruntime-gpu, CUDA) is not installed or finds no device."""
 
-
-class NotImplementedYetError(UnispecError):
-    """A documented feature whose implementation has not landed yet."""

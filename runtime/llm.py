@@ -219,23 +219,32 @@ class Stream:
             while True:
                 seen = len(tracker.token_ids)
                 self._llm._drive(lambda seen=seen: tracker.output is not None or len(tracker.token_ids) > seen)
-                if not as_text and len(tracker.token_ids) > sent_tokens:
-                    yield tracker.token_ids[sent_tokens:]
-                    sent_tokens = len(tracker.token_ids)
-                # the engine hands over only text that can no longer change (runtime/detokenizer.py); the
-                # final text may add what was held back, or cut a tail that turned into a stop string
-                delta = "".join(tracker.text[sent_texts:])
-                sent_texts = len(tracker.text)
-                if tracker.output is not None:
+                # Other threads' steps advance this request outside our lock: read "finished" before the
+                # tokens and text, and count what was read rather than what is there later, so nothing is skipped.
+                finished = tracker.output is not None
+                new_tokens = [] if as_text else tracker.token_ids[sent_tokens:]
+                if new_tokens:
+                    sent_tokens += len(new_tokens)
+                    yield new_tokens
+                texts = self._new_text(sent_texts)
+                sent_texts += len(texts)
+                delta = "".join(texts)
+                if finished:
                     final = tracker.output.text
                     delta = final[len(sent_text):] if final.startswith(sent_text) else ""
                 if as_text and delta:
                     yield delta
                     sent_text += delta
-                if tracker.output is not None:
+                if finished:
                     return
         finally:
             self.cancel()                        # a no-op once finished; also forgets the tracker
+
+    def _new_text(self, sent: int) -> list[str]:
+        """The text deltas handed over since the first `sent`: the engine hands over only text that can no
+        longer change (runtime/detokenizer.py); the final text may add what was held back, or cut a tail
+        that turned into a stop string."""
+        return self._tracker.text[sent:]
 
 
 def _is_chat(prompt: object) -> bool:

@@ -12,7 +12,27 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from runtime.errors import ArtifactError
+
+# the bounds live in runtime/limits.py; named here too, as export and engines read only this module of ours
+from runtime.limits import (  # noqa: F401
+    BLOCK_DRAFT_METHODS,
+    FLOAT_DTYPES,
+    MAX_BATCH_SIZE,
+    MAX_BLOCK_DRAFT_TOKENS,
+    MAX_BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    MAX_SPECULATIVE_TOKENS,
+    MAX_TOKENS_PER_STEP,
+    SIZES,
+    check_layout,
+    is_int,
+    max_speculative_tokens,
+    plain_name,
+    require,
+)
 
 # --- inputs -------------------------------------------------------------------------------------------
 TOKENS = "tokens"                        # int64 [S]
@@ -140,10 +160,9 @@ class Manifest:
         check_fields(self)
 
     def blocks_per_row(self, context_len: int | None = None) -> int:
-        """Block-table width of a row with `context_len` tokens (default max_model_len): its positions plus
-        the 2K + 1 that the merged drafts and the sequential draft steps write past them (DESIGN.md §3)."""
+        """Block-table width of a row with `context_len` tokens (default max_model_len), its step reach included."""
         length = self.max_model_len if context_len is None else context_len
-        return -(-(length + 2 * self.num_speculative_tokens + 1) // self.block_size)
+        return blocks_per_row(length, num_speculative_tokens=self.num_speculative_tokens, block_size=self.block_size)
 
     def kv_bytes_per_token(self) -> int:
         """Bytes one token occupies across every pool (target + draft): the unit of pool sizing."""
@@ -217,91 +236,113 @@ def dim_value(dim: int | str, env: Mapping[str, int], *, tensor: str | None = No
     return total
 
 
-# --- bounds -------------------------------------------------------------------------------------------------
-# The largest size an artifact may ask for. A manifest is checked against them when it is built or loaded,
-# before anything is sized from it, so a damaged or crafted one fails in one line instead of allocating
-# until the kernel kills the process (README "Limits"). Each is above what vLLM / TensorRT-LLM deployments
-# configure; the memory an artifact's sizes need is bounded separately (runtime/artifact_check.py).
-MAX_SPECULATIVE_TOKENS = 16          # K of sequential drafters: K draft forwards per step, unrolled in the graph
-MAX_BLOCK_DRAFT_TOKENS = 31          # DFlash: K = its checkpoint's block_size - 1, drafted in one block forward
-BLOCK_DRAFT_METHODS = ("dflash",)
-MAX_BATCH_SIZE = 4096                # rows per step
-MAX_TOKENS_PER_STEP = 131072         # new tokens per step over all rows
-MAX_MODEL_LEN = 1 << 24              # 16M positions per sequence
-MAX_VOCAB_SIZE = 1 << 22
-MAX_BLOCK_SIZE = 1024                # positions per KV block
-MAX_NOISE_CHANNELS = 64
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+# --- step geometry and the commit rule (DESIGN.md §3) -----------------------------------------------------
+# One home for both: the scheduler, the persistent buffers, the engine profiles, the reference loop and
+# every backend read them from here.
 
-# field -> (lowest, highest); num_speculative_tokens depends on the method
-_SIZES = {"vocab_size": (1, MAX_VOCAB_SIZE), "block_size": (1, MAX_BLOCK_SIZE), "max_model_len": (2, MAX_MODEL_LEN),
-          "max_batch_size": (1, MAX_BATCH_SIZE), "max_tokens_per_step": (1, MAX_TOKENS_PER_STEP),
-          "noise_channels": (1, MAX_NOISE_CHANNELS)}
+def step_reach(num_speculative_tokens: int) -> int:
+    """Positions a step may write past a row's cache and new tokens: the K merged drafts, and the K - 1
+    sequential draft steps after them plus one slot for the draft of the bonus position: 2K + 1. A row's
+    block table must cover them even though only accepted rows are ever committed."""
+    return 2 * num_speculative_tokens + 1
 
+
+def blocks_per_row(context_len: int, *, num_speculative_tokens: int, block_size: int) -> int:
+    """Blocks a row of `context_len` committed + new tokens needs for one step (its reach included)."""
+    return -(-(context_len + step_reach(num_speculative_tokens)) // block_size)
+
+
+def committed_slots(
+    row_offsets: np.ndarray,     # [B+1] int64, the step's new tokens per row
+    num_accepted: np.ndarray,    # [B] int64
+    cache_lengths: np.ndarray,   # [B] int64
+    block_table: np.ndarray,     # [B, max_blocks] int64
+    *,
+    num_speculative_tokens: int,
+    block_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The commit rule as (pool slot, delta row) pairs, [N] each, vectorised over rows.
+
+    Row b commits n_b = new_tokens_b + num_accepted_b positions: the first n_b rows of its segment of every
+    delta (segments are new_tokens_b + K long) go to positions cache_lengths[b] ... cache_lengths[b] + n_b - 1,
+    i.e. slot = block_table[b, p // block_size] * block_size + p % block_size.
+    """
+    seg_starts, counts = delta_segments(row_offsets, num_accepted, num_speculative_tokens)
+    return segment_slots(seg_starts, counts, cache_lengths, block_table, block_size=block_size)
+
+
+def delta_segments(row_offsets: np.ndarray, num_accepted: np.ndarray,
+                   num_speculative_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first delta row of each row's segment, rows it commits), [B] each: segments are new_tokens_b + K long,
+    and row b commits its new tokens plus its accepted drafts."""
+    row_offsets, num_accepted = np.asarray(row_offsets, np.int64), np.asarray(num_accepted, np.int64)
+    seg_starts = row_offsets[:-1] + np.arange(len(row_offsets) - 1) * num_speculative_tokens
+    return seg_starts, np.diff(row_offsets) + num_accepted
+
+
+def segment_slots(
+    seg_starts: np.ndarray,      # [B] first delta row of each row's segment
+    counts: np.ndarray,          # [B] delta rows each row commits
+    cache_lengths: np.ndarray,   # [B] where each row's committed positions start
+    block_table: np.ndarray,     # [B, max_blocks]
+    *,
+    block_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(slot, delta row) pairs, [N] each: delta rows seg_starts[b] ... + counts[b] - 1 of row b go to
+    positions cache_lengths[b] ... + counts[b] - 1."""
+    seg_starts, counts = np.asarray(seg_starts, np.int64), np.asarray(counts, np.int64)
+    row_of = np.repeat(np.arange(len(counts)), counts)                                # [N]
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)   # [N]
+    positions = np.asarray(cache_lengths)[row_of] + within                            # [N]
+    slots = np.asarray(block_table)[row_of, positions // block_size] * block_size + positions % block_size
+    return slots, seg_starts[row_of] + within
+
+
+def write_committed(pool: Any, delta: Any, slots: Any, rows: Any, block_size: int) -> None:
+    """pool[slot // block_size, :, slot % block_size] = delta[row] for every pair (numpy arrays or torch
+    tensors alike; `delta` already in the pool's dtype). pool [num_blocks, L, bs, W], delta [N', L, W]."""
+    # advanced indices around a slice: the indexed view is [N, L, W], as delta[rows] is
+    pool[slots // block_size, :, slots % block_size] = delta[rows]
+
+
+# --- field checks ----------------------------------------------------------------------------------------------
+# Types and bounds of every field (runtime/limits.py), checked when a manifest is built or loaded.
 
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a manifest dtype."""
     return _DTYPE_BYTES[dtype]
 
 
-def max_speculative_tokens(method: str) -> int:
-    """The largest K an artifact of `method` may have (sequential drafters 16, DFlash 31)."""
-    return MAX_BLOCK_DRAFT_TOKENS if method in BLOCK_DRAFT_METHODS else MAX_SPECULATIVE_TOKENS
-
-
 def check_fields(m: Manifest) -> None:
     """Every field has its type and lies within its bounds; a one-line ArtifactError naming the field."""
     for name in ("method", "target_arch"):
-        _require(name, getattr(m, name), isinstance(getattr(m, name), str), "a string")
-    _require("draft_arch", m.draft_arch, m.draft_arch is None or isinstance(m.draft_arch, str), "a string or null")
-    _require("dtype", m.dtype, m.dtype in FLOAT_DTYPES, f"one of {', '.join(FLOAT_DTYPES)}")
-    _require("structured_output", m.structured_output, isinstance(m.structured_output, bool), "true or false")
+        require(name, getattr(m, name), isinstance(getattr(m, name), str), "a string")
+    require("draft_arch", m.draft_arch, m.draft_arch is None or isinstance(m.draft_arch, str), "a string or null")
+    require("dtype", m.dtype, m.dtype in FLOAT_DTYPES, f"one of {', '.join(FLOAT_DTYPES)}")
+    require("structured_output", m.structured_output, isinstance(m.structured_output, bool), "true or false")
     k_limit = max_speculative_tokens(m.method)
-    for name, (lowest, highest) in (*_SIZES.items(), ("num_speculative_tokens", (0, k_limit))):
+    for name, (lowest, highest) in (*SIZES.items(), ("num_speculative_tokens", (0, k_limit))):
         value = getattr(m, name)
-        _require(name, value, _is_int(value) and lowest <= value <= highest, f"an int in [{lowest}, {highest}]")
+        require(name, value, is_int(value) and lowest <= value <= highest, f"an int in [{lowest}, {highest}]")
     for i, pool in enumerate(m.pools):
         _check_pool(f"pools[{i}]", pool)
     for kind, specs in (("inputs", m.inputs), ("outputs", m.outputs)):
         for spec in specs:
             dims_ok = isinstance(spec.shape, tuple) and all(
-                (_is_int(d) and d >= 0) or (isinstance(d, str) and d.strip()) for d in spec.shape)
-            _require(f"{kind}[{spec.name!r}].shape", spec.shape, isinstance(spec.name, str) and dims_ok,
-                     "a list of dims, each an int >= 0 or a dim name")
+                (is_int(d) and d >= 0) or (isinstance(d, str) and d.strip()) for d in spec.shape)
+            require(f"{kind}[{spec.name!r}].shape", spec.shape, isinstance(spec.name, str) and dims_ok,
+                    "a list of dims, each an int >= 0 or a dim name")
     _check_files(m)
     _check_token_ids(m)
 
 
-def check_layout(d: Mapping[str, Any]) -> None:
-    """The JSON's nesting (lists of objects where the manifest has them), so a malformed one names its field."""
-    for name in ("pools", "inputs", "outputs"):
-        if name in d:
-            items = d[name]
-            _require(name, items, isinstance(items, list) and all(
-                isinstance(i, dict) and isinstance(i.get("shape", []), list) for i in items),
-                "a list of objects (a tensor's shape a list)")
-    for name in ("tokenizer", "exporter", "engine"):
-        _require(name, d.get(name), d.get(name) is None or isinstance(d.get(name), dict), "an object or null")
-    exporter, tokenizer = d.get("exporter") or {}, d.get("tokenizer") or {}
-    _require("exporter", exporter, all(isinstance(v, str) for v in (*exporter, *exporter.values())),
-             "an object of package -> version strings")
-    for name, values in (("ops", d.get("ops", [])), ("tokenizer.files", tokenizer.get("files", [])),
-                         ("tokenizer.eos_token_ids", tokenizer.get("eos_token_ids", []))):
-        _require(name, values, isinstance(values, list), "a list")
-    _require("ops", d.get("ops"), all(isinstance(v, str) for v in d.get("ops", [])), "a list of op names")
-    for name in ("target_checkpoint", "draft_checkpoint"):
-        _require(name, d.get(name), d.get(name) is None or isinstance(d.get(name), str), "a path or null")
-    _require("format_version", d.get("format_version"), _is_int(d.get("format_version", FORMAT_VERSION)),
-             "an int")
-
-
 def _check_pool(where: str, pool: PoolSpec) -> None:
-    _require(f"{where}.name", pool.name, pool.name in DELTA_OF_POOL, f"one of {', '.join(DELTA_OF_POOL)}")
-    _require(f"{where}.delta", pool.delta, pool.delta == DELTA_OF_POOL[pool.name], repr(DELTA_OF_POOL[pool.name]))
+    require(f"{where}.name", pool.name, pool.name in DELTA_OF_POOL, f"one of {', '.join(DELTA_OF_POOL)}")
+    require(f"{where}.delta", pool.delta, pool.delta == DELTA_OF_POOL[pool.name], repr(DELTA_OF_POOL[pool.name]))
     for name in ("num_layers", "width"):
         value = getattr(pool, name)
-        _require(f"{where}.{name}", value, _is_int(value) and value >= 1, "an int >= 1")
-    _require(f"{where}.dtype", pool.dtype, pool.dtype in FLOAT_DTYPES, f"one of {', '.join(FLOAT_DTYPES)}")
+        require(f"{where}.{name}", value, is_int(value) and value >= 1, "an int >= 1")
+    require(f"{where}.dtype", pool.dtype, pool.dtype in FLOAT_DTYPES, f"one of {', '.join(FLOAT_DTYPES)}")
 
 
 def artifact_files(m: Manifest) -> tuple[str, ...]:
@@ -318,11 +359,11 @@ def _named_files(m: Manifest) -> list[tuple[str, object]]:
 
 def _check_files(m: Manifest) -> None:
     """Artifacts are flat directories: a named file is a plain name, so it cannot point outside one."""
-    _require("engine", m.engine, m.engine is None or isinstance(m.engine, dict), "an object or null")
-    _require("tokenizer.files", m.tokenizer.files, isinstance(m.tokenizer.files, tuple), "a list of file names")
+    require("engine", m.engine, m.engine is None or isinstance(m.engine, dict), "an object or null")
+    require("tokenizer.files", m.tokenizer.files, isinstance(m.tokenizer.files, tuple), "a list of file names")
     for field_name, name in _named_files(m):
-        _require(field_name, name, (name is None and field_name != "model_file") or _plain_name(name),
-                 "a plain file name inside the artifact directory (no directory part, not absolute)")
+        require(field_name, name, (name is None and field_name != "model_file") or plain_name(name),
+                "a plain file name inside the artifact directory (no directory part, not absolute)")
 
 
 def _check_token_ids(m: Manifest) -> None:
@@ -331,20 +372,5 @@ def _check_token_ids(m: Manifest) -> None:
            ("think_end_id", tok.think_end_id)]
     ids += [("eos_token_ids", t) for t in tok.eos_token_ids]
     for name, value in ids:
-        _require(f"tokenizer.{name}", value, value is None or (_is_int(value) and 0 <= value < m.vocab_size),
-                 f"a token id in [0, {m.vocab_size})")
-
-
-def _plain_name(name: object) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0:")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _require(field_name: str, value: object, ok: bool, expected: str) -> None:
-    if not ok:
-        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-        raise ArtifactError(f"manifest: {field_name} is {shown}; expected {expected}. The artifact is damaged or "
-                            "was edited: re-export it")
+        require(f"tokenizer.{name}", value, value is None or (is_int(value) and 0 <= value < m.vocab_size),
+                f"a token id in [0, {m.vocab_size})")

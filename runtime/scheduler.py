@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Hashable
 
+from runtime import manifest as io
 from runtime.blocks import BlockManager
 from runtime.sequence import SequenceState
 
@@ -99,7 +100,7 @@ class Scheduler:
 
     def _reach(self, seq: SequenceState, n: int) -> int:
         """Positions the request's table must cover for a step that feeds `n` tokens."""
-        return seq.cache_len + n + 2 * self.k + 1
+        return seq.cache_len + n + io.step_reach(self.k)
 
     def _fit(self, seq: SequenceState, n: int) -> int:
         """The most of `n` tokens (all of them for a decode row) the held and free blocks can take."""

@@ -2,8 +2,10 @@
 
 For every (batch size, temperature) cell, every engine gets the same prompt token ids (encoded once by
 the artifact's tokenizer), the same number of new tokens and the same intra-op thread count; each runs
-one untimed warm-up pass, then `repeats` timed passes (pass r takes the prompts after pass r - 1's, cycling),
-and the report keeps every pass and their medians:
+one untimed warm-up pass, then `repeats` timed passes (pass r takes the prompts after pass r - 1's, cycling;
+16 by default, so batch 1 covers 16 prompts). Interleaved (the default), repeat r runs every engine in turn
+before repeat r + 1, and speedups are medians of per-repeat ratios; `--sequential` runs each engine's passes
+back to back and divides medians. The report keeps every pass and their medians:
 
   unispec <method>          the artifact through runtime.LLM (ignore_eos, so every request makes max_tokens)
   unispec none              --baseline: the target-only artifact of the same target, same backend
@@ -13,8 +15,11 @@ and the report keeps every pass and their medians:
   onnxruntime-genai         /   row saying why, never a crash and never a number
 
   tokens/s = generated tokens / wall time of the pass (prefill included, as for every peer)
-  speedup  = the artifact's median tokens/s / this row's, in the same cell
-  step ms  = graph (the backend's run) + host (the rest of Engine.step), per step (runtime.engine.StepTimings)
+  cpu      = process CPU time of the pass (measured here, for every engine alike): on a shared machine
+             wall time also counts other processes' turns, CPU time (with 1 intra-op thread) does not
+  speedup  = the artifact's tokens/s / this row's, in the same cell (cpu speedup: tokens per CPU second)
+  step ms  = graph (the backend's run) + host (the rest of Engine.step), per step, wall and CPU
+             (runtime.engine.StepTimings)
 
 Tables, JSON and the plot are unispec/bench_report.py's.
 """
@@ -22,16 +27,24 @@ Tables, JSON and the plot are unispec/bench_report.py's.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from runtime.errors import InvalidRequestError
 from runtime.manifest import Manifest
+from unispec.bench_common import (
+    BenchConfig,
+    Pass,
+    PeerUnavailable,
+    Runner,
+    default_threads,
+    first_line,
+)
+from unispec.bench_peers import machine_info, peer_runners, thread_limits
 
 __all__ = ["BenchConfig", "BenchReport", "Pass", "PeerUnavailable", "Row", "default_threads", "load_prompts",
            "run_bench"]
@@ -40,78 +53,7 @@ REPO_PROMPTS = Path(__file__).resolve().parents[1] / "models" / "prompts.jsonl"
 PROMPTS_NAME = "prompts.jsonl"
 
 
-def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "unispec"
-
-
-@dataclass(frozen=True, kw_only=True)
-class BenchConfig:
-    """What `unispec bench` was asked for (the CLI's options, one to one)."""
-
-    artifact_dir: Path
-    baseline: Path | None = None
-    checkpoint: Path | None = None           # HF checkpoint for the peers; default: the manifest's target_checkpoint
-    batch_sizes: tuple[int, ...] = (1, 4, 16)
-    temperatures: tuple[float, ...] = (0.0, 0.7)
-    repeats: int = 3
-    max_tokens: int = 64
-    threads: int | None = None               # intra-op threads of every engine; None: all cores
-    backend: str = "ort"
-    prompts: Path | None = None
-    chat: bool = False                       # wrap each prompt in the tokenizer's chat template
-    peers: tuple[str, ...] = ("transformers", "ort-genai")
-    cache_dir: Path | None = None            # None: $XDG_CACHE_HOME/unispec or ~/.cache/unispec
-    json_out: Path | None = None
-    plot: Path | None = None
-
-    def __post_init__(self) -> None:
-        if self.threads is None:
-            object.__setattr__(self, "threads", default_threads())
-        if self.cache_dir is None:
-            object.__setattr__(self, "cache_dir", default_cache_dir())
-        for flag, values in (("--batch-sizes", self.batch_sizes), ("--repeats", (self.repeats,)),
-                             ("--max-tokens", (self.max_tokens,)), ("--threads", (self.threads,))):
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-                raise InvalidRequestError(f"{flag} needs integers >= 1, got {','.join(map(str, values)) or '(none)'}")
-        if not self.temperatures or any(t < 0 for t in self.temperatures):
-            raise InvalidRequestError(f"--temperature needs values >= 0 (0 = greedy), got {self.temperatures}")
-        unknown = sorted(set(self.peers) - {"transformers", "ort-genai"})
-        if unknown:
-            raise InvalidRequestError(f"--peers: unknown {unknown}; use transformers, ort-genai or none")
-
-
 # --- figures ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True, kw_only=True)
-class Pass:
-    """One timed pass of one engine over one cell's prompts."""
-
-    wall_s: float
-    tokens: int                              # generated tokens, all rows
-    steps: int | None = None                 # unispec only: engine steps and their split
-    graph_s: float | None = None
-    host_s: float | None = None
-    mean_accepted_length: float | None = None
-    acceptance_per_position: tuple[float, ...] = ()
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    def figures(self) -> dict[str, Any]:
-        """Everything a row reports about the pass (raw figures plus derived per-step times)."""
-        d = {**asdict(self), "tokens_per_s": self.tokens_per_s, "acceptance_per_position":
-             list(self.acceptance_per_position)}
-        if self.steps:
-            d["graph_ms_per_step"] = 1e3 * self.graph_s / self.steps
-            d["host_ms_per_step"] = 1e3 * self.host_s / self.steps
-            d["host_share"] = self.host_s / (self.graph_s + self.host_s)
-        return d
-
 
 @dataclass
 class Row:
@@ -122,7 +64,8 @@ class Row:
     temperature: float
     passes: list[Pass] = field(default_factory=list)
     why: str | None = None
-    speedup: float | None = None             # the artifact's median tokens/s / this row's (same cell)
+    speedup: float | None = None             # the artifact's tokens/s / this row's (same cell)
+    cpu_speedup: float | None = None         # the same in tokens per CPU second
 
     @property
     def median(self) -> dict[str, Any]:
@@ -140,7 +83,7 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         return {"engine": self.engine, "batch_size": self.batch_size, "temperature": self.temperature,
-                "why": self.why, "speedup": self.speedup, "median": self.median,
+                "why": self.why, "speedup": self.speedup, "cpu_speedup": self.cpu_speedup, "median": self.median,
                 "runs": [p.figures() for p in self.passes]}
 
 
@@ -159,18 +102,6 @@ class BenchReport:
 
 
 # --- engines -----------------------------------------------------------------------------------------------
-
-class PeerUnavailable(Exception):
-    """A peer cannot run here (not installed, wrong architecture, build failure): `str()` says why."""
-
-
-class Runner(Protocol):
-    name: str
-
-    def run(self, prompts: list[list[int]], temperature: float, max_tokens: int) -> Pass: ...
-
-    def close(self) -> None: ...
-
 
 class UnispecRunner:
     """An artifact through the runtime's LLM (one LLM for every cell: the warm-up pays its first-run costs)."""
@@ -197,8 +128,8 @@ class UnispecRunner:
         accepted = [a for o in outputs for a in o.metrics.accepted_per_step]     # every decode step, every row
         mean_length, per_position = acceptance_summary(accepted, self.manifest.num_speculative_tokens)
         return Pass(wall_s=wall, tokens=sum(len(o.token_ids) for o in outputs), steps=t.steps, graph_s=t.graph_s,
-                    host_s=t.host_s, mean_accepted_length=mean_length,
-                    acceptance_per_position=per_position)
+                    host_s=t.host_s, graph_cpu_s=t.graph_cpu_s, host_cpu_s=t.host_cpu_s,
+                    mean_accepted_length=mean_length, acceptance_per_position=per_position)
 
     def close(self) -> None:
         del self.llm
@@ -207,20 +138,44 @@ class UnispecRunner:
 def measure(runner: Runner, batches: list[list[list[int]]], temperature: float, max_tokens: int) -> Row:
     """A warm-up pass on batches[0], then one timed pass per batch. A peer that fails becomes a row saying why."""
     row = Row(runner.name, len(batches[0]), temperature)
+    if _timed(row, runner, batches[0], temperature, max_tokens, warm_up=True):
+        for batch in batches:
+            if not _timed(row, runner, batch, temperature, max_tokens):
+                break
+    return row
+
+
+def measure_interleaved(runners: Sequence[Runner], batches: list[list[list[int]]], temperature: float,
+                        max_tokens: int) -> list[Row]:
+    """Every engine warms up, then repeat r runs batch r through every engine in turn, so each repeat's
+    engines share the machine's state of that moment (a shared machine's load swings 2-30x between runs)
+    and per-repeat ratios cancel most of it. An engine that fails drops out with its reason."""
+    rows = [Row(r.name, len(batches[0]), temperature) for r in runners]
+    live = [i for i, (row, runner) in enumerate(zip(rows, runners))
+            if _timed(row, runner, batches[0], temperature, max_tokens, warm_up=True)]
+    for batch in batches:
+        live = [i for i in live if _timed(rows[i], runners[i], batch, temperature, max_tokens)]
+    return rows
+
+
+def _timed(row: Row, runner: Runner, batch: list[list[int]], temperature: float, max_tokens: int, *,
+           warm_up: bool = False) -> bool:
+    """One pass of `runner` into `row` (kept unless a warm-up), its process CPU time measured here for every
+    engine alike; False when the engine cannot run (the row then says why and loses its passes)."""
     try:
-        runner.run(batches[0], temperature, max_tokens)
-        row.passes = [runner.run(batch, temperature, max_tokens) for batch in batches]
+        started = time.process_time()
+        done = runner.run(batch, temperature, max_tokens)
+        if not warm_up:
+            row.passes.append(replace(done, cpu_s=time.process_time() - started))
+        return True
     except PeerUnavailable as exc:
         row.why = str(exc)
     except Exception as exc:
         if isinstance(runner, UnispecRunner):
             raise                                # our own engines fail the command (in one line if ours)
         row.why = f"{type(exc).__name__}: {first_line(str(exc))}"   # a peer library's failure: carry on
-    return row
-
-
-def first_line(text: str) -> str:
-    return next((line.strip() for line in text.splitlines() if line.strip()), "(no message)")
+    row.passes = []
+    return False
 
 
 # --- prompts -------------------------------------------------------------------------------------------------
@@ -296,7 +251,6 @@ def check_baseline(manifest: Manifest, baseline: Manifest, path: Path) -> list[s
 
 def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> BenchReport:
     """Every engine over every (batch size, temperature) cell; `progress` hears what runs next."""
-    from unispec.bench_peers import machine_info, peer_runners, thread_limits
 
     manifest, notes = Manifest.load(config.artifact_dir), []
     if config.baseline is not None:
@@ -315,11 +269,12 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda _: N
             for size in config.batch_sizes:
                 batches = batches_of(prompts, size, config.repeats)
                 for temperature in config.temperatures:
-                    cell = []
-                    for runner in runners:
-                        progress(f"{runner.name}: batch {size}, temperature {temperature:g}")
-                        cell.append(measure(runner, batches, temperature, config.max_tokens))
-                    _add_speedups(cell)
+                    progress(f"batch {size}, temperature {temperature:g}")
+                    if config.interleave:
+                        cell = measure_interleaved(runners, batches, temperature, config.max_tokens)
+                    else:
+                        cell = [measure(runner, batches, temperature, config.max_tokens) for runner in runners]
+                    _add_speedups(cell, paired=config.interleave)
                     rows += cell
         finally:
             for runner in runners:
@@ -328,10 +283,21 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda _: N
                        machine=machine_info(config.threads), notes=peer_notes + notes)
 
 
-def _add_speedups(cell: list[Row]) -> None:
-    """cell[0] is the artifact: every row that ran gets the artifact's median tokens/s over its own."""
-    ours = cell[0].median.get("tokens_per_s")
-    for row in cell:
-        theirs = row.median.get("tokens_per_s")
-        if ours and theirs:
-            row.speedup = ours / theirs
+def _add_speedups(cell: list[Row], *, paired: bool = False) -> None:
+    """cell[0] is the artifact: every row that ran gets the artifact's speedup over it, in wall tokens/s and in
+    tokens per CPU second. Paired (interleaved) passes give the median of per-repeat ratios; otherwise the
+    ratio of the medians."""
+    ours = cell[0]
+    for row in (r for r in cell if r.passes and ours.passes):
+        row.speedup = _ratio(ours.passes, row.passes, "tokens_per_s", paired)
+        row.cpu_speedup = _ratio(ours.passes, row.passes, "tokens_per_cpu_s", paired)
+
+
+def _ratio(ours: list[Pass], theirs: list[Pass], figure: str, paired: bool) -> float | None:
+    if paired:
+        ratios = [a / b for a, b in ((getattr(p, figure), getattr(q, figure)) for p, q in zip(ours, theirs))
+                  if a and b]
+        return statistics.median(ratios) if ratios else None
+    a = statistics.median(getattr(p, figure) or 0.0 for p in ours)
+    b = statistics.median(getattr(q, figure) or 0.0 for q in theirs)
+    return a / b if a and b else None

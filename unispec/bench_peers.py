@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.manifest import Manifest
-from unispec.bench import BenchConfig, Pass, PeerUnavailable, Runner, first_line
+from unispec.bench_common import BenchConfig, Pass, PeerUnavailable, Runner, first_line
 
 __all__ = ["HfRunner", "OrtGenaiRunner", "Unavailable", "machine_info", "peer_runners", "thread_limits"]
 

@@ -8,35 +8,30 @@ from typing import Any
 
 import click
 
+from export.archs import FAMILIES
 from runtime.errors import UnispecError
-
-METHODS = ("none", "mtp", "nextn", "eagle3", "eagle3-mha", "dflash", "gemma4-mtp")
-FAMILIES = ("llama3", "deepseek-v3", "gemma4")
-DRAFT_KINDS = ("none", "mtp", "nextn", "eagle3", "eagle3-mha", "dflash", "gemma4-assistant")
+from unispec.cli_errors import OneLineErrors, read_text
 
 
-class _Group(click.Group):
-    """Turns unispec's own errors into one clear line (exit 1) unless `--debug` asks for the traceback;
-    anything else that escapes (a bug, or a failure nobody anticipated) is one line too."""
+class _MethodChoice(click.Choice):
+    """The method registry's names, read on first use: the registry imports the step builders (torch), which
+    `unispec --help` and the commands that only run artifacts should not pay for."""
 
-    def invoke(self, ctx: click.Context):  # type: ignore[override]
-        try:
-            return super().invoke(ctx)
-        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
-            raise
-        except UnispecError as exc:
-            if ctx.obj and ctx.obj.get("debug"):
-                raise
-            raise click.ClickException(str(exc)) from None
-        except Exception as exc:
-            if ctx.obj and ctx.obj.get("debug"):
-                raise
-            reason = " ".join(str(exc).split())[:300] or "no message"
-            raise click.ClickException(f"unexpected {type(exc).__name__}: {reason}; rerun with --debug for the "
-                                       "traceback and please report it") from None
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        from export.methods import METHODS
+
+        return tuple(METHODS)
+
+    @choices.setter
+    def choices(self, _: Any) -> None:
+        pass
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 @click.version_option(package_name="unispec")
 @click.pass_context
@@ -53,10 +48,11 @@ _CHECKPOINT_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 @click.option("--target", "target_dir", type=_CHECKPOINT_DIR, required=True,
               help="Target model checkpoint directory (Hugging Face format).")
 @click.option("--draft", "draft_dir", type=_CHECKPOINT_DIR, default=None,
-              help="Draft checkpoint directory (nextn, eagle3, eagle3-mha, dflash, gemma4-mtp).")
-@click.option("--method", type=click.Choice(METHODS), default="none", show_default=True)
-@click.option("--num-speculative-tokens", type=int, default=3, show_default=True,
-              help="Draft tokens per step (K), fixed per artifact; ignored by `none`.")
+              help="Draft checkpoint directory, for methods with one (nextn, eagle3, eagle3-mha, dflash, gemma4-mtp).")
+@click.option("--method", type=_MethodChoice(), default="none", show_default=True)
+@click.option("--num-speculative-tokens", type=int, default=None,
+              help="Draft tokens per step (K), fixed per artifact; ignored by `none`; when omitted, read from a "
+                   "draft that fixes it (DFlash: block_size - 1).  [default: 3]")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Artifact directory (an existing artifact there is replaced once the new one is complete; "
                    "a directory holding anything else is refused).")
@@ -129,8 +125,7 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
-    params = SamplingParams(json_schema=_text_file(json_schema, "--json-schema") if json_schema else None,
-                            **sampling)
+    params = SamplingParams(json_schema=read_text(json_schema, "--json-schema") if json_schema else None, **sampling)
     try:
         request = [int(t) for t in prompt_ids.split(",")] if prompt_ids is not None else prompt
     except ValueError:
@@ -148,13 +143,44 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
     Console(highlight=False, soft_wrap=True).print(f"[dim]{escape(stream.output.summary())}[/dim]")
 
 
-def _text_file(path: Path, flag: str) -> str:
-    try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UnispecError(f"{flag} {path} is not UTF-8 text (byte {exc.start} is not); save it as UTF-8") from None
-    except OSError as exc:
-        raise UnispecError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+@main.command()
+@click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--backend", type=click.Choice(("ort", "trt")), default="ort", show_default=True)
+@click.option("--served-model-name", default=None, show_default="the artifact directory's name",
+              help="The `model` clients name in their requests.")
+@click.option("--max-batch-size", type=int, default=None, show_default="the artifact's",
+              help="Requests in the engine at once; later ones wait for a slot.")
+@click.option("--max-model-len", type=int, default=None, show_default="the artifact's",
+              help="Longest prompt + output; may only lower the artifact's.")
+@click.option("--kv-memory-mib", type=int, default=None, show_default="256", help="KV pool budget per LLM.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Jinja chat template to use instead of the artifact's tokenizer_config.json one.")
+@click.option("--replicas", type=int, default=1, show_default=True,
+              help="More than 1 deploys on Ray Serve (extra `serve`), one LLM per replica.")
+@click.option("--max-replicas", type=int, default=None, help="Ray Serve autoscales between --replicas and this.")
+@click.option("--ray", is_flag=True, help="Deploy on Ray Serve even with one replica (joins RAY_ADDRESS if set).")
+@click.option("--cpus-per-replica", type=float, default=1.0, show_default=True, help="Ray resources per replica.")
+@click.option("--gpus-per-replica", type=float, default=None, show_default="1 with --backend trt, else 0",
+              help="Ray resources per replica.")
+@click.option("--log-level", type=click.Choice(("debug", "info", "warning", "error")), default="info",
+              show_default=True)
+def serve(**options: Any) -> None:
+    """Serve an artifact over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics); with --replicas N on Ray Serve."""
+    from unispec.serve import ServeConfig, require_serve_extra
+
+    config = ServeConfig(**options)
+    require_serve_extra()
+    if config.uses_ray:
+        from unispec.serve_ray import run_on_ray
+
+        run_on_ray(config)
+    else:
+        from unispec.serve_app import run_uvicorn
+
+        run_uvicorn(config)
 
 
 def _number_list(kind: type, flag: str, example: str, lowest: float, none_ok: bool = False):
@@ -189,8 +215,11 @@ def _peer_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
               show_default=True, help="Comma-separated batch sizes (requests generated together).")
 @click.option("--temperature", "temperatures", callback=_number_list(float, "--temperature", "0,0.7", 0),
               default="0,0.7", show_default=True, help="Comma-separated temperatures (0 = greedy).")
-@click.option("--repeats", type=int, default=3, show_default=True,
-              help="Timed passes per engine and cell (after one warm-up); the report keeps their medians.")
+@click.option("--repeats", type=int, default=16, show_default=True,
+              help="Timed passes per engine and cell (after one warm-up); pass r takes the next prompts.")
+@click.option("--interleave/--sequential", default=True, show_default=True,
+              help="Alternate the engines within each repeat and take medians of per-repeat speedups (robust on "
+                   "a shared machine), or run each engine's passes back to back.")
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="New tokens per request.")
 @click.option("--threads", type=int, default=None, show_default="all cores",
               help="Intra-op threads for ONNX Runtime, torch and onnxruntime-genai alike.")
@@ -333,7 +362,7 @@ def demo(models_dir: Path, cache_dir: Path, max_tokens: int) -> None:
     with the speed-up over target-only decoding."""
     from rich.console import Console
 
-    from export.demo import run_demo
+    from unispec.demo import run_demo
 
     if not run_demo(models_dir, cache_dir, Console(), max_tokens=max_tokens):
         raise click.ClickException("speculative output differs from target-only output: please report this")
@@ -341,14 +370,14 @@ def demo(models_dir: Path, cache_dir: Path, max_tokens: int) -> None:
 
 @main.command()
 @click.option("--family", type=click.Choice(FAMILIES), required=True)
-@click.option("--draft", "draft_kind", type=click.Choice(DRAFT_KINDS), default="none", show_default=True)
+@click.option("--method", type=_MethodChoice(), default="none", show_default=True)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), required=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def tiny(family: str, draft_kind: str, out_dir: Path, seed: int) -> None:
-    """Write tiny random HF-format checkpoints (target, and draft when it is its own checkpoint)."""
+def tiny(family: str, method: str, out_dir: Path, seed: int) -> None:
+    """Write tiny random HF-format checkpoints of a family for a method (target, and its draft checkpoint)."""
     from export.tiny import write_tiny
 
-    written = write_tiny(family=family, draft=draft_kind, out_dir=out_dir, seed=seed)
+    written = write_tiny(family=family, method=method, out_dir=out_dir, seed=seed)
     for role, path in written.items():
         click.echo(f"{role}: {path}")
 

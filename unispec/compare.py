@@ -97,8 +97,7 @@ def make_requests(manifest: io.Manifest, num_requests: int, max_tokens: int, see
 
 def pool_blocks_for(manifest: io.Manifest, requests: Sequence[Request]) -> int:
     """Blocks for every request at its longest, all at once (so no request waits on another)."""
-    k, bs = manifest.num_speculative_tokens, manifest.block_size
-    return sum(-(-(len(p) + sp.max_tokens + 2 * k + 1) // bs) for p, sp in requests)
+    return sum(manifest.blocks_per_row(len(p) + sp.max_tokens) for p, sp in requests)
 
 
 def open_backends(artifact_dir: Path, manifest: io.Manifest, names: Sequence[str], *, num_blocks: int,

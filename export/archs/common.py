@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.paged_attention.reference import row_ids_of
+from plugins.ragged import row_ids_of
 
 M = TypeVar("M", bound=nn.Module)
 

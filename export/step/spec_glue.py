@@ -1,4 +1,4 @@
-"""The step modules' view of the speculative math (export/spec): named inputs in, small tuples out.
+"""The step modules' view of the speculative math (plugins/spec_accept): named inputs in, small tuples out.
 
 Kept as one seam so every step module (sequential, block, target-only) calls the math identically.
 """
@@ -10,15 +10,12 @@ from typing import NamedTuple
 
 import torch
 
-from export import spec
-from plugins.spec_accept import reference as spec_accept_reference
+from plugins.spec_accept import acceptance, ragged
+from plugins.spec_accept.bitmask import num_bitmask_words
 from plugins.spec_accept.op import spec_accept
 from runtime import manifest as io
 
-# The SpecAccept plugin's math is export.spec.verify: the plugin cannot import export, so it is handed over.
-spec_accept_reference.register_reference(spec.verify)
-
-NOISE_CHANNELS = spec.NOISE_CHANNELS    # uniforms per verified position in the `noise` input
+NOISE_CHANNELS = acceptance.NOISE_CHANNELS    # uniforms per verified position in the `noise` input
 
 
 class Merged(NamedTuple):
@@ -35,8 +32,8 @@ class Verdict(NamedTuple):
 
 def merge(tokens: torch.Tensor, row_offsets: torch.Tensor, positions: torch.Tensor,
           drafts: torch.Tensor) -> Merged:
-    merged, merged_offsets = spec.merge_drafts(tokens, row_offsets, drafts)
-    return Merged(merged, merged_offsets, spec.merge_positions(positions, row_offsets, drafts.shape[1]),
+    merged, merged_offsets = ragged.merge_drafts(tokens, row_offsets, drafts)
+    return Merged(merged, merged_offsets, ragged.merge_positions(positions, row_offsets, drafts.shape[1]),
                   drafts.shape[1])
 
 
@@ -50,23 +47,23 @@ def verify(logits: torch.Tensor, f: Mapping[str, torch.Tensor], *, structured: b
     num_accepted, next_tokens = spec_accept(
         logits, f[io.DRAFT_TOKENS], f[io.TEMPERATURE], f[io.TOP_K], f[io.TOP_P], f[io.MIN_P], f[io.NOISE],
         f[io.IN_THINKING_PHASE], bitmask,
-        num_drafts=f[io.DRAFT_TOKENS].shape[1], relaxed_top_n=spec.RELAXED_TOP_N, relaxed_delta=spec.RELAXED_DELTA)
+        num_drafts=f[io.DRAFT_TOKENS].shape[1], relaxed_top_n=acceptance.RELAXED_TOP_N, relaxed_delta=acceptance.RELAXED_DELTA)
     return Verdict(num_accepted, next_tokens)
 
 
 def allow_all(logits: torch.Tensor) -> torch.Tensor:
     """[B, K+1, ceil(V/32)] int32 of -1: every token allowed."""
     batch, positions, vocab = logits.shape
-    return torch.full((batch, positions, spec.num_bitmask_words(vocab)), -1, dtype=torch.int32,
+    return torch.full((batch, positions, num_bitmask_words(vocab)), -1, dtype=torch.int32,
                       device=logits.device)
 
 
 def last_accepted(m: Merged, num_accepted: torch.Tensor) -> torch.Tensor:
     """Merged index of each row's last accepted position: [B]."""
-    return spec.last_accepted_index(m.row_offsets, num_accepted, m.k)
+    return ragged.last_accepted_index(m.row_offsets, num_accepted, m.k)
 
 
 def shift(m: Merged, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
           chunk_next_tokens: torch.Tensor) -> torch.Tensor:
     """Drafter input ids [M]: token j+1 at position j, the next (or next prompt) token appended."""
-    return spec.shift_tokens(m.tokens, m.row_offsets, num_accepted, next_tokens, m.k, chunk_next_tokens)
+    return ragged.shift_tokens(m.tokens, m.row_offsets, num_accepted, next_tokens, m.k, chunk_next_tokens)

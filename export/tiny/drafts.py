@@ -217,13 +217,8 @@ def write_nextn(target_config: Config, target_tensors: StateDict, out: Path, see
     return save_checkpoint(out, config, tensors, filename=NEXTN_FILE, index=True)
 
 
-WRITERS: dict[str, Writer] = {
-    "eagle3-midlayer": partial(write_eagle3_mha, prefix="midlayer", kv_heads=2),
-    # Kimi-style MHA head on a DeepSeek target: full MHA (kv heads = heads), its own plain RoPE.
-    "eagle3-layers0": partial(write_eagle3_mha, prefix="layers.0", kv_heads=4,
-                              rope={"rope_theta": 1_000_000.0, "rope_scaling": None}),
-    "eagle3-mla": write_eagle3_mla,
-    "dflash": write_dflash,
-    "gemma4-assistant": write_gemma4_assistant,
-    "nextn": write_nextn,
-}
+# The Eagle3 head layouts a method's tiny recipe picks per target family (export/methods.py).
+write_eagle3_midlayer: Writer = partial(write_eagle3_mha, prefix="midlayer", kv_heads=2)
+# Kimi-style MHA head on a DeepSeek target: full MHA (kv heads = heads), its own plain RoPE.
+write_eagle3_layers0: Writer = partial(write_eagle3_mha, prefix="layers.0", kv_heads=4,
+                                       rope={"rope_theta": 1_000_000.0, "rope_scaling": None})

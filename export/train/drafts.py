@@ -185,7 +185,14 @@ def block_loss(step: torch.nn.Module, data: TargetData, rows: torch.Tensor, *, n
     return (per_position.mean(0) * weights).sum() / weights.sum()
 
 
-LOSSES = {"dflash": block_loss, "eagle3": sequential_loss, "mtp": sequential_loss, "gemma4-mtp": assistant_loss}
+# The method registry's drafter kind (export/methods.py) -> the loss that trains it.
+LOSSES = {"block": block_loss, "sequential": sequential_loss, "assistant": assistant_loss}
+
+
+def loss_for(method: str) -> Callable[..., torch.Tensor]:
+    from export.methods import METHODS
+
+    return LOSSES[METHODS[method].drafter]
 
 
 # --- training and write-back ----------------------------------------------------------------------------------
@@ -211,7 +218,7 @@ def accuracy(step: torch.nn.Module, method: str, data: TargetData, *, seed: int)
     gen = torch.Generator().manual_seed(seed)
     rows = torch.arange(data.tokens.shape[0])
     with torch.no_grad():
-        loss = float(LOSSES[method](step, data, rows, num_anchors=512, gen=gen))
+        loss = float(loss_for(method)(step, data, rows, num_anchors=512, gen=gen))
     return {"held_out_draft_loss": loss}
 
 
@@ -219,7 +226,7 @@ def train_draft(method: str, step: torch.nn.Module, train: TargetData, held: Tar
                 seed: int, log: Callable[[str], None], name: str) -> dict[str, float]:
     params = draft_parameters(step)
     gen = torch.Generator().manual_seed(seed)
-    loss_of = LOSSES[method]
+    loss_of = loss_for(method)
 
     def step_loss(_: int) -> torch.Tensor:
         rows = torch.randint(0, train.tokens.shape[0], (schedule.batch_size,), generator=gen)

@@ -16,11 +16,7 @@ from __future__ import annotations
 
 import torch
 
-
-def row_ids_of(row_offsets: torch.Tensor, num_tokens: int | torch.SymInt) -> torch.Tensor:
-    """Row index of every token of a ragged batch: [S] from row_offsets [B+1]."""
-    token = torch.arange(num_tokens, device=row_offsets.device)                       # [S]
-    return (token[:, None] >= row_offsets[None, 1:]).sum(dim=1)                       # [S]
+from plugins.ragged import row_ids_of
 
 
 def paged_attention(

@@ -1,6 +1,6 @@
 """Triton kernel for SpecAccept: the whole verdict of one row per program, truncation included.
 
-The math is export.spec.verify's (the registered reference), position by position, stopping at the first
+The math is acceptance.verify's (the op's reference), position by position, stopping at the first
 rejected draft (later positions cannot change the result):
 
     masked logits (grammar bitmask; a mask allowing nothing is ignored) -> max + argmax
@@ -20,7 +20,7 @@ and keeps the sub-interval where the predicate flips; <= 16 rounds cover 64 bits
     top-p floor   = the smallest x with sum{p > x, p >= k-th} < top_p * sum{p >= k-th}
 These are the values the reference reads off its sorted array, so the kept sets are the same; sums are
 taken in another order than the reference's cumsum, so they agree to float64 rounding (the reference's
-own argument for float64 across backends, export/spec/truncation.py).
+own argument for float64 across backends, truncation.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-# Mirrors of export.spec constants (plugins import nothing of export); constexpr so kernels may read them.
-GREEDY_TEMPERATURE = tl.constexpr(1e-5)   # export.spec.truncation.GREEDY_TEMPERATURE
-NOISE_TARGET = tl.constexpr(0)            # export.spec.acceptance.NOISE_TARGET: what sample-and-match reads
+from plugins.spec_accept import acceptance, truncation
+
+# The reference's own constants, wrapped as constexpr so kernels may read them.
+GREEDY_TEMPERATURE = tl.constexpr(truncation.GREEDY_TEMPERATURE)
+NOISE_TARGET = tl.constexpr(acceptance.NOISE_TARGET)   # the channel sample-and-match reads
 
 
 @triton.jit
@@ -155,7 +157,7 @@ def _inverse_cdf(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, thres
 @triton.jit
 def _sample(row_ptr, mask_ptr, vocab_size, use_mask, temperature, top_k, top_p, min_p, uniform, best,
             HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Inverse-CDF sample of the truncated distribution (export.spec.truncation), float64 throughout."""
+    """Inverse-CDF sample of the truncated distribution (truncation.py), float64 throughout."""
     inv_t = 1.0 / temperature.to(tl.float64)
     s_max = best.to(tl.float64) * inv_t
     z = tl.zeros((), tl.float64)
@@ -278,7 +280,7 @@ def spec_accept(
     relaxed_delta: float,
     block_v: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, next_tokens [B] int64
-    """plugins.spec_accept.reference.spec_accept (export.spec.verify), all of it in `spec_accept_kernel`."""
+    """plugins.spec_accept.reference.spec_accept (acceptance.verify), all of it in `spec_accept_kernel`."""
     batch, _, vocab_size = logits.shape
     if draft_tokens.shape[1] != num_drafts:
         raise ValueError(f"SpecAccept: num_drafts={num_drafts} but draft_tokens has "

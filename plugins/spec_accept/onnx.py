@@ -1,7 +1,7 @@
 """SpecAccept in ONNX: the translation to one two-output `unispec::SpecAccept` node, and its plugin spec.
 
-The grammar bitmask is an optional last input: a graph without structured output emits the node without
-it, and its reference function (another overload) has no bitmask input.
+The grammar bitmask is declared optional (the op's schema and a bare node may omit it, with its own
+overload of the reference function), but the step graphs always pass one (reference.py says why).
 """
 
 # No `from __future__ import annotations`: onnxscript reads the translation's annotations as objects.

@@ -1,4 +1,4 @@
-"""`unispec::spec_accept`: the SpecAccept custom op; its eager body is the registered reference (reference.py)."""
+"""`unispec::spec_accept`: the SpecAccept custom op; its eager body is the reference (reference.py)."""
 
 from typing import Optional
 

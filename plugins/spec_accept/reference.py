@@ -1,27 +1,27 @@
-"""Torch reference for SpecAccept: the speculative verdict of export/spec, reached by registration.
+"""Torch reference for SpecAccept: the speculative verdict (acceptance.verify), the op's math itself.
 
-The speculative math exists once, in export/spec (`verify`: truncation temperature -> top-k -> top-p -> min-p,
-greedy / sample-and-match / relaxed thinking acceptance, packed grammar bitmask). Plugins import nothing
-of export (DESIGN.md §2), so the dependency is inverted: export registers its `verify` here once
-(`register_reference(export.spec.verify)`, from export/step/spec_glue.py), and the custom op, the exported
-reference function and every test run exactly that function. Calling the op before registration fails
-with a one-line message saying so.
+The speculative math lives in this folder, once, as short pure tensor functions that the torch reference,
+the exported graphs (through this op and export/step/spec_glue.py) and every test share:
+- `truncation`: temperature -> top-k -> top-p -> min-p per row, inverse-CDF sampling with given noise;
+- `bitmask`: packed int32 grammar masks applied to the target logits;
+- `acceptance`: `verify` (greedy / sample-and-match / rejection / relaxed) and `sample_draft`;
+- `ragged`: merge drafts into the ragged batch, shift corrected tokens, find the last accepted position.
+Randomness is always an input (`noise [B, K+1, NOISE_CHANNELS]`), drawn on the host by runtime/noise.py.
+
+Facts the op's users rely on:
+- `num_drafts` is an attribute, static per node: each K gets a reference function traced at that K
+  (ONNX Runtime mishandles some ops on the empty axes of a K = 0 graph traced at another K).
+- The bitmask is always present in exported graphs: a graph without structured output feeds an in-graph
+  all-allowed mask (TensorRT plugins take no optional inputs); a mask that allows nothing is ignored.
+- The host advances a request's noise stream only on steps that produce its tokens (runtime/noise.py),
+  so a seeded request gives the same tokens whatever else shares its batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-VerifyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-_REFERENCE: dict[str, VerifyFn] = {}
-
-
-def register_reference(verify: VerifyFn) -> None:
-    """Install export.spec.verify as SpecAccept's math (idempotent; the last registration wins)."""
-    _REFERENCE["verify"] = verify
+from plugins.spec_accept.acceptance import verify
 
 
 def spec_accept(
@@ -39,9 +39,5 @@ def spec_accept(
     relaxed_top_n: int,
     relaxed_delta: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, next_tokens [B] int64
-    verify = _REFERENCE.get("verify")
-    if verify is None:
-        raise RuntimeError("SpecAccept has no reference: call plugins.spec_accept.reference.register_reference("
-                           "export.spec.verify) first (export/step/spec_glue.py does on import)")
     return verify(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase, token_bitmask,
                   relaxed_top_n=relaxed_top_n, relaxed_delta=relaxed_delta)

@@ -5,9 +5,8 @@ draft_tokens [B, K] int64, temperature / top_p / min_p [B] float32, top_k [B] in
 float32, in_thinking_phase [B] bool, token_bitmask [B, K+1, W] int32; num_drafts INT, relaxed_top_n INT,
 relaxed_delta FLOAT. Outputs num_accepted [B] and next_tokens [B], int64.
 
-The bitmask is optional in ONNX but a QDP plugin has a fixed input list, so the plugin takes all nine
-inputs: a graph exported without structured output must get an all-allowed bitmask input (-1 words) before
-TensorRT parses it (engines/'s job; the kernel treats all-allowed exactly like no mask).
+A QDP plugin has a fixed input list, so the plugin takes all nine inputs; the step graphs always feed the
+bitmask (an in-graph all-allowed one without structured output, which the kernel treats exactly like no mask).
 
 Kernel: plugins/spec_accept/kernels.py:spec_accept_kernel (truncation + verdict, one program per row),
     kernel(9 inputs, vocab_size = V, num_channels = C, num_words = W, num_accepted, next_tokens)  grid (B,)

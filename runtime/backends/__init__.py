@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.backend import Backend
-from runtime.errors import NotImplementedYetError, UnispecError
+from runtime.errors import UnispecError
 from runtime.manifest import Manifest
 
 __all__ = ["BACKENDS", "load_backend"]
@@ -25,13 +25,7 @@ def load_backend(name: str, artifact_dir: str | Path, manifest: Manifest, *, num
     if name not in BACKENDS:
         raise UnispecError(f"unknown backend {name!r}; use one of {', '.join(BACKENDS)}")
     module_name, cls = BACKENDS[name].split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        raise NotImplementedYetError(f"backend {name!r} is not implemented yet; use backend='ort'") from None
-    backend = getattr(module, cls)
+    backend = getattr(importlib.import_module(module_name), cls)
     _check_options(name, backend, options)
     return backend(artifact_dir, manifest, num_blocks=num_blocks, **options)
 

@@ -228,12 +228,11 @@ class TrtBackend:
         with torch.cuda.stream(self._stream):
             slots_d = _to_device(np.asarray(slots, dtype=np.int64), self.device)          # [N]
             rows_d = _to_device(np.asarray(rows, dtype=np.int64), self.device)            # [N]
-            blocks, offsets = slots_d // self.manifest.block_size, slots_d % self.manifest.block_size
             own = outputs is self._last and self._last is not None
             for pool in self.manifest.pools:
                 delta = self._last.device[pool.delta] if own else _to_device(outputs[pool.delta], self.device)
-                # advanced indices around a slice: the indexed view is [N, L, W], as delta[rows] is
-                self.pools[pool.name][blocks, :, offsets] = delta[rows_d].to(self.pools[pool.name].dtype)
+                target = self.pools[pool.name]
+                io.write_committed(target, delta.to(target.dtype), slots_d, rows_d, self.manifest.block_size)
 
     # --- one step -------------------------------------------------------------------------------------------
 

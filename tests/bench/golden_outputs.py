@@ -42,12 +42,9 @@ def write_tiny_checkpoints(ckpt: Path) -> None:
     """Tiny DeepSeek-V3 + NextN and + Llama-style Eagle3 checkpoints, written once (by whatever tree runs first)."""
     from export.tiny import write_tiny
 
-    for draft in ("nextn", "eagle3-mha"):
-        if not (ckpt / draft / "draft" / "config.json").is_file():
-            try:
-                write_tiny(family="deepseek-v3", draft=draft, out_dir=ckpt / draft, seed=0)
-            except TypeError:                          # a registry that names the method instead of the draft
-                write_tiny(family="deepseek-v3", method=draft, out_dir=ckpt / draft, seed=0)
+    for method in ("nextn", "eagle3-mha"):
+        if not (ckpt / method / "draft" / "config.json").is_file():
+            write_tiny(family="deepseek-v3", method=method, out_dir=ckpt / method, seed=0)
 
 
 def resolve(name: str | None, ckpt: Path) -> Path | None:

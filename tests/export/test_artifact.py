@@ -20,8 +20,8 @@ import torch
 from export import artifact
 from export.artifact import export_model, read_artifact
 from export.methods import build_step
-from export.spec import NOISE_CHANNELS
 from export.tiny import write_tiny
+from plugins.spec_accept.acceptance import NOISE_CHANNELS
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ExportError
 from runtime.manifest import Manifest
@@ -41,7 +41,7 @@ def add_tokenizer_files(target: Path) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    written = write_tiny(family="llama3", draft="eagle3", out_dir=tmp_path_factory.mktemp("tiny"), seed=0)
+    written = write_tiny(family="llama3", method="eagle3", out_dir=tmp_path_factory.mktemp("tiny"), seed=0)
     add_tokenizer_files(written["target"])
     return written
 

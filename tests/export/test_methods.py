@@ -16,9 +16,9 @@ from runtime.errors import ConfigError, ExportError
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
     root = tmp_path_factory.mktemp("tiny")
     return {
-        "llama3": write_tiny(family="llama3", draft="dflash", out_dir=root / "llama", seed=0),
-        "deepseek-v3": write_tiny(family="deepseek-v3", draft="nextn", out_dir=root / "dsv3", seed=0),
-        "gemma4": write_tiny(family="gemma4", draft="none", out_dir=root / "gemma", seed=0),
+        "llama3": write_tiny(family="llama3", method="dflash", out_dir=root / "llama", seed=0),
+        "deepseek-v3": write_tiny(family="deepseek-v3", method="nextn", out_dir=root / "dsv3", seed=0),
+        "gemma4": write_tiny(family="gemma4", method="none", out_dir=root / "gemma", seed=0),
     }
 
 
@@ -36,7 +36,7 @@ def test_target_only_step_builds_for_every_family(tiny, family: str) -> None:
 
 @pytest.mark.parametrize("method,family,draft,message", [
     ("medusa", "llama3", None, "unknown method 'medusa'"),
-    ("mtp", "llama3", None, "needs a deepseek_v3 target"),
+    ("mtp", "llama3", None, "needs a deepseek-v3 target"),
     ("dflash", "llama3", None, "needs --draft pointing at a dflash checkpoint"),
     ("mtp", "deepseek-v3", "draft", "takes no --draft"),
     ("eagle3", "deepseek-v3", "draft", "needs a eagle3 draft"),

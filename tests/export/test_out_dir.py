@@ -32,7 +32,7 @@ from unispec.cli import main
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny(family="llama3", draft="none", out_dir=tmp_path_factory.mktemp("tiny"), seed=0)["target"]
+    return write_tiny(family="llama3", method="none", out_dir=tmp_path_factory.mktemp("tiny"), seed=0)["target"]
 
 
 def users_dir(path: Path) -> Path:

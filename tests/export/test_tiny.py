@@ -8,24 +8,24 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from export.archs import config_from_hf
+from export.archs import FAMILIES, config_from_hf
 from export.checkpoint import Checkpoint
 from export.config import read_config_json
-from export.tiny import PAIRS, write_tiny
+from export.tiny import valid_methods, write_tiny
 from export.tiny.targets import HIDDEN, NUM_LAYERS, VOCAB
 from runtime.errors import ExportError
 from unispec.cli import main
 
-ALL_PAIRS = [(family, draft) for family, drafts in PAIRS.items() for draft in drafts]
+ALL_PAIRS = [(family, method) for family in FAMILIES for method in valid_methods(family)]
 TARGET_CLASS = {"llama3": "Llama3Config", "deepseek-v3": "DeepseekV3Config", "gemma4": "Gemma4TextConfig"}
 DRAFT_CLASS = {"eagle3": "Eagle3Config", "eagle3-mha": "Eagle3Config", "dflash": "DFlashConfig",
-               "nextn": "NextNConfig", "gemma4-assistant": "Gemma4AssistantConfig"}
+               "nextn": "NextNConfig", "gemma4-mtp": "Gemma4AssistantConfig"}
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Path]]:
     root = tmp_path_factory.mktemp("tiny")
-    return {(f, d): write_tiny(family=f, draft=d, out_dir=root / f"{f}-{d}", seed=0) for f, d in ALL_PAIRS}
+    return {(f, d): write_tiny(family=f, method=d, out_dir=root / f"{f}-{d}", seed=0) for f, d in ALL_PAIRS}
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -68,17 +68,18 @@ def test_targets_are_genuine_transformers_checkpoints(written) -> None:
 
 
 def test_target_does_not_depend_on_the_draft(written) -> None:
-    for family, drafts in PAIRS.items():
+    for family in FAMILIES:
+        drafts = valid_methods(family)
         first = file_bytes(written[family, "none"]["target"])
         assert all(file_bytes(written[family, d]["target"]) == first for d in drafts)
 
 
 @pytest.mark.parametrize(("family", "draft"), [("llama3", "eagle3"), ("deepseek-v3", "nextn"),
-                                               ("gemma4", "gemma4-assistant")])
+                                               ("gemma4", "gemma4-mtp")])
 def test_same_seed_same_bytes_other_seed_other_bytes(written, tmp_path: Path, family: str,
                                                      draft: str) -> None:
-    again = write_tiny(family=family, draft=draft, out_dir=tmp_path / "again", seed=0)
-    other = write_tiny(family=family, draft=draft, out_dir=tmp_path / "other", seed=1)
+    again = write_tiny(family=family, method=draft, out_dir=tmp_path / "again", seed=0)
+    other = write_tiny(family=family, method=draft, out_dir=tmp_path / "other", seed=1)
     for role, path in written[family, draft].items():
         assert file_bytes(again[role]) == file_bytes(path)
         reference, changed = tensors(path), tensors(other[role])
@@ -164,7 +165,7 @@ def test_dflash_draft_matches_its_target(written) -> None:
 
 
 def test_gemma4_assistant_matches_its_target(written) -> None:
-    paths = written["gemma4", "gemma4-assistant"]
+    paths = written["gemma4", "gemma4-mtp"]
     assistant, weights, target = parsed(paths["draft"]), tensors(paths["draft"]), parsed(paths["target"])
     assistant.check_target(target)
     assert weights["pre_projection.weight"].shape == (assistant.hidden_size, 2 * target.hidden_size)
@@ -177,31 +178,31 @@ def test_gemma4_assistant_matches_its_target(written) -> None:
 
 
 def test_rewriting_an_out_dir_leaves_no_stale_weights(tmp_path: Path) -> None:
-    write_tiny(family="deepseek-v3", draft="nextn", out_dir=tmp_path, seed=0)
-    paths = write_tiny(family="deepseek-v3", draft="eagle3", out_dir=tmp_path, seed=0)
+    write_tiny(family="deepseek-v3", method="nextn", out_dir=tmp_path, seed=0)
+    paths = write_tiny(family="deepseek-v3", method="eagle3", out_dir=tmp_path, seed=0)
     assert {p.name for p in paths["draft"].iterdir()} == {"config.json", "model.safetensors"}
     assert "fc.weight" in tensors(paths["draft"])
 
 
 @pytest.mark.parametrize(("family", "draft"), [("llama3", "mtp"), ("gemma4", "eagle3"),
-                                               ("deepseek-v3", "dflash"), ("llama3", "gemma4-assistant")])
-def test_invalid_pairs_list_the_valid_drafts(tmp_path: Path, family: str, draft: str) -> None:
+                                               ("deepseek-v3", "dflash"), ("llama3", "gemma4-mtp")])
+def test_invalid_pairs_list_the_valid_methods(tmp_path: Path, family: str, draft: str) -> None:
     with pytest.raises(ExportError) as err:
-        write_tiny(family=family, draft=draft, out_dir=tmp_path / "x", seed=0)
+        write_tiny(family=family, method=draft, out_dir=tmp_path / "x", seed=0)
     message = str(err.value)
-    assert "\n" not in message and all(d in message for d in PAIRS[family])
+    assert "\n" not in message and all(m in message for m in valid_methods(family))
     assert not (tmp_path / "x").exists()
     with pytest.raises(ExportError, match="unknown model family"):
-        write_tiny(family="mistral", draft="none", out_dir=tmp_path / "x", seed=0)
+        write_tiny(family="mistral", method="none", out_dir=tmp_path / "x", seed=0)
 
 
 def test_cli_prints_the_written_paths(tmp_path: Path) -> None:
     out = tmp_path / "cli"
-    result = CliRunner().invoke(main, ["tiny", "--family", "gemma4", "--draft", "gemma4-assistant",
+    result = CliRunner().invoke(main, ["tiny", "--family", "gemma4", "--method", "gemma4-mtp",
                                        "--out", str(out), "--seed", "3"])
     assert result.exit_code == 0, result.output
     assert result.output.splitlines() == [f"target: {out / 'target'}", f"draft: {out / 'draft'}"]
     assert (out / "target" / "model.safetensors").is_file() and (out / "draft" / "config.json").is_file()
-    bad = CliRunner().invoke(main, ["tiny", "--family", "gemma4", "--draft", "mtp", "--out", str(out)])
-    assert bad.exit_code == 1 and "valid drafts for gemma4: none, gemma4-assistant" in bad.output
+    bad = CliRunner().invoke(main, ["tiny", "--family", "gemma4", "--method", "mtp", "--out", str(out)])
+    assert bad.exit_code == 1 and "valid methods for gemma4: none, gemma4-mtp" in bad.output
     assert "Traceback" not in bad.output

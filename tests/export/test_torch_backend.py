@@ -27,7 +27,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_tiny(family="llama3", draft="eagle3", out_dir=tmp_path_factory.mktemp("ckpt"), seed=0)
+    return write_tiny(family="llama3", method="eagle3", out_dir=tmp_path_factory.mktemp("ckpt"), seed=0)
 
 
 def _prompts() -> list[list[int]]:

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from plugins.paged_attention.reference import paged_attention, row_ids_of
+from plugins.paged_attention.reference import paged_attention
+from plugins.ragged import row_ids_of
 
 
 def _loop_attention(q, k, v, k_cache, v_cache, row_offsets, positions, cache_lengths, *, scale, causal,

@@ -24,19 +24,18 @@ MAX_BATCH = 8
 MAX_TOKENS_PER_STEP = 64
 K = 3
 
-# (tiny family, tiny draft kind) for every method; `none` once per family. Exported as the other runtime
+# (tiny family, method) for every method; `none` once per family. Exported as the other runtime
 # and engine tests expect them: no tokenizer, no structured output.
 CASES: dict[str, tuple[str, str]] = {
     "llama3-none": ("llama3", "none"), "deepseek-v3-none": ("deepseek-v3", "none"), "gemma4-none": ("gemma4", "none"),
     "llama3-eagle3": ("llama3", "eagle3"), "llama3-dflash": ("llama3", "dflash"),
     "deepseek-v3-mtp": ("deepseek-v3", "mtp"), "deepseek-v3-nextn": ("deepseek-v3", "nextn"),
     "deepseek-v3-eagle3": ("deepseek-v3", "eagle3"), "deepseek-v3-eagle3-mha": ("deepseek-v3", "eagle3-mha"),
-    "gemma4-gemma4-mtp": ("gemma4", "gemma4-assistant"),
+    "gemma4-gemma4-mtp": ("gemma4", "gemma4-mtp"),
 }
 # "<case>-json": the same pair with the test tokenizer and structured output (the `token_bitmask` input)
 JSON_SUFFIX = "-json"
 JSON_CASES: dict[str, tuple[str, str]] = {f"{case}{JSON_SUFFIX}": pair for case, pair in CASES.items()}
-METHOD_OF_DRAFT = {"gemma4-assistant": "gemma4-mtp"}
 
 # the test tokenizer's special tokens, in id order
 UNK, BOS, EOS, THINK, END_THINK, USER, ASSISTANT = range(7)
@@ -95,10 +94,9 @@ def make_artifact(case: str, root: Path) -> TinyArtifact:
     from export.methods import build_step
     from export.tiny import write_tiny
 
-    family, draft = {**CASES, **JSON_CASES}[case]
+    family, method = {**CASES, **JSON_CASES}[case]
     structured = case in JSON_CASES
-    method = METHOD_OF_DRAFT.get(draft, draft)
-    paths = write_tiny(family=family, draft=draft, out_dir=root / "checkpoints", seed=0)
+    paths = write_tiny(family=family, method=method, out_dir=root / "checkpoints", seed=0)
     if structured:
         write_tokenizer(paths["target"], vocab_size=320)
     k = _k_for(method, paths.get("draft"))

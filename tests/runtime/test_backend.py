@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from runtime import manifest as io
 from runtime.backend import PersistentInputBuffers, step_bounds
 from runtime.errors import ArtifactError, UnispecError
 from runtime.manifest import TensorSpec, dim_value
@@ -37,6 +38,7 @@ def test_buffers_hand_out_prefix_views_at_fixed_addresses() -> None:
 def test_step_bounds_leave_room_for_the_draft_steps() -> None:
     class M:
         num_speculative_tokens, block_size, max_model_len, max_batch_size, max_tokens_per_step = 3, 4, 128, 8, 64
+        blocks_per_row = io.Manifest.blocks_per_row
 
     assert step_bounds(M()) == {"batch": 8, "num_tokens": 64, "max_blocks": -(-(128 + 7) // 4)}
 

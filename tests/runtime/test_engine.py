@@ -1,6 +1,6 @@
 """The runtime's host loop on ONNX Runtime against the torch reference loop (export/generate.py).
 
-For every method whose builder exists: same requests (mixed prompt lengths, one joining at step 5,
+For every method: same requests (mixed prompt lengths, one joining at step 5,
 chunked prefill), same per-request seeds -> identical tokens, greedy and seeded sampling, 64 new tokens
 each, every feed being the engine's persistent buffer; the step outputs the engine saw equal torch's on
 the same feeds (deltas within 1e-4); greedy speculative output equals the same target's `none` artifact
@@ -11,21 +11,18 @@ Fast: llama3 `none` and llama3 `eagle3`. Every other case is `slow` (one export 
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 import torch
 
 from export.generate import Request, StepGeometry, generate
-from export.methods import METHODS
 from runtime import manifest as io
 from runtime.backends.ort import OrtBackend
 from runtime.engine import Engine, RequestOutput
 from runtime.errors import InvalidRequestError
 from runtime.manifest import Manifest
 from runtime.sampling_params import SamplingParams
-from tests.runtime.artifacts import CASES, METHOD_OF_DRAFT, TinyArtifact
+from tests.runtime.artifacts import CASES, TinyArtifact
 
 NEW_TOKENS = 64
 NUM_BLOCKS = 256
@@ -35,19 +32,8 @@ RECORDED_STEPS = (0, 1, 2, 3, 6, 12)             # prefill chunks, the join at s
 FAST = ("llama3-none", "llama3-eagle3")
 
 
-def _builder_exists(case: str) -> bool:
-    draft = CASES[case][1]
-    module, name = METHODS[METHOD_OF_DRAFT.get(draft, draft)].builder.split(":")
-    try:
-        return hasattr(importlib.import_module(module), name)
-    except ImportError:
-        return False
-
-
 def _params(case: str) -> pytest.param:
     marks = [] if case in FAST else [pytest.mark.slow]
-    if not _builder_exists(case):
-        marks.append(pytest.mark.skip(reason=f"{case}: the method's step builder has not landed"))
     return pytest.param(case, marks=marks, id=case)
 
 

@@ -23,7 +23,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from export.tiny import write_tiny
 
     root = tmp_path_factory.mktemp("compare")
-    paths = write_tiny(family="llama3", draft="eagle3", out_dir=root / "checkpoints", seed=0)
+    paths = write_tiny(family="llama3", method="eagle3", out_dir=root / "checkpoints", seed=0)
     export_model(paths["target"], paths["draft"], method="eagle3", num_speculative_tokens=3, out_dir=root / "art",
                  block_size=4, max_model_len=128, max_batch_size=8, max_tokens_per_step=64, progress=False)
     return {**paths, "artifact": root / "art"}

@@ -18,8 +18,8 @@ from unispec.cli import main
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {**write_tiny(family="llama3", draft="eagle3", out_dir=root / "eagle3", seed=0),
-            "dflash": write_tiny(family="llama3", draft="dflash", out_dir=root / "dflash", seed=0)["draft"]}
+    return {**write_tiny(family="llama3", method="eagle3", out_dir=root / "eagle3", seed=0),
+            "dflash": write_tiny(family="llama3", method="dflash", out_dir=root / "dflash", seed=0)["draft"]}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_inspect_refuses_a_damaged_dir_in_one_line(bf16_artifact: tuple[Result, 
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--method", "mtp"], "method mtp needs a deepseek_v3 target"),
+    (["--method", "mtp"], "method mtp needs a deepseek-v3 target"),
     (["--method", "eagle3"], "method eagle3 needs --draft"),
     (["--method", "eagle3", "--draft", "{draft}", "--num-speculative-tokens", "0"],
      "--num-speculative-tokens must be >= 1"),

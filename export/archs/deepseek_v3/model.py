@@ -66,9 +66,9 @@ class DeepseekV3Target(nn.Module):
         super().__init__()
         layers = config.num_hidden_layers
         if num_logits < 1:
-            raise ExportError(f"deepseek_v3 target: num_logits must be >= 1, got {num_logits}")
+            raise ExportError(f"deepseek-v3 target: num_logits must be >= 1, got {num_logits}")
         if any(not 0 <= i < layers for i in capture_layers):
-            raise ExportError(f"deepseek_v3 target: capture_layers {tuple(capture_layers)} must lie in "
+            raise ExportError(f"deepseek-v3 target: capture_layers {tuple(capture_layers)} must lie in "
                               f"0..{layers - 1} (outputs of the model's {layers} layers)")
         self.config, self.num_logits, self.capture_layers = config, num_logits, tuple(capture_layers)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -240,7 +240,7 @@ def build_gemma4_mtp_step(target: Checkpoint, draft: Checkpoint | None, *, k: in
     from export.targets import load_target
 
     if draft is None:
-        raise ExportError("method gemma4-mtp needs --draft pointing at a gemma4_assistant checkpoint")
+        raise ExportError("method gemma4-mtp needs --draft pointing at a gemma4-assistant checkpoint")
     cfg = Gemma4AssistantConfig.from_hf(draft.config)
     target_cfg = Gemma4TextConfig.from_hf(target.config)
     cfg.check_target(target_cfg)

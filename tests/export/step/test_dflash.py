@@ -42,7 +42,7 @@ def _variant(src: Path, dst: Path, **edits) -> Path:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dflash")
-    written = write_tiny(family="llama3", draft="dflash", out_dir=root / "tiny", seed=0)
+    written = write_tiny(family="llama3", method="dflash", out_dir=root / "tiny", seed=0)
     return {"target": written["target"], "draft": written["draft"],
             "block2": _variant(written["draft"], root / "block2", block_size=2),
             "sliding": _variant(written["draft"], root / "sliding", sliding_window=3, use_sliding_window=True,

@@ -44,7 +44,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     def get(case: str) -> dict[str, Path]:
         if case not in written:
             family, method = CASES[case]
-            written[case] = write_tiny(family=family, draft=method, out_dir=tmp_path_factory.mktemp(case), seed=0)
+            written[case] = write_tiny(family=family, method=method, out_dir=tmp_path_factory.mktemp(case), seed=0)
         return written[case]
     return get
 

@@ -41,7 +41,7 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_tiny(family="gemma4", draft="gemma4-assistant", out_dir=tmp_path_factory.mktemp("g4"), seed=0)
+    return write_tiny(family="gemma4", method="gemma4-mtp", out_dir=tmp_path_factory.mktemp("g4"), seed=0)
 
 
 @pytest.fixture(scope="module")

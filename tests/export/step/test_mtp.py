@@ -34,7 +34,7 @@ Feeds = dict[str, torch.Tensor]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_tiny(family="deepseek-v3", draft="mtp", out_dir=tmp_path_factory.mktemp("dsv3"), seed=0)
+    return write_tiny(family="deepseek-v3", method="mtp", out_dir=tmp_path_factory.mktemp("dsv3"), seed=0)
 
 
 @pytest.fixture(scope="module")

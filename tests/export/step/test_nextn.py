@@ -29,7 +29,7 @@ from tests.export.step.test_mtp import check_drafter_exact, copy_with_config
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return write_tiny(family="deepseek-v3", draft="nextn", out_dir=tmp_path_factory.mktemp("dsv3"), seed=0)
+    return write_tiny(family="deepseek-v3", method="nextn", out_dir=tmp_path_factory.mktemp("dsv3"), seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ SPECS = {spec.name: spec for spec in pipeline.DRAFTS}
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_draft_trains_and_round_trips_through_its_checkpoint(name, tmp_path, monkeypatch) -> None:
     spec = SPECS[name]
-    target_dir = write_tiny(family=spec.target, draft="none", out_dir=tmp_path / "t", seed=0)["target"]
+    target_dir = write_tiny(family=spec.target, method="none", out_dir=tmp_path / "t", seed=0)["target"]
     target_config = json.loads((target_dir / "config.json").read_text())
     monkeypatch.setattr(draft_configs, "MASK_ID", 2)
     config, tensors = getattr(draft_configs, spec.make)(target_config, 0)
@@ -50,7 +50,7 @@ def test_draft_trains_and_round_trips_through_its_checkpoint(name, tmp_path, mon
 def test_mtp_finetune_rewrites_the_targets_mtp_layer_in_place(tmp_path) -> None:
     from safetensors.torch import load_file
 
-    target_dir = write_tiny(family="deepseek-v3", draft="none", out_dir=tmp_path, seed=0)["target"]
+    target_dir = write_tiny(family="deepseek-v3", method="none", out_dir=tmp_path, seed=0)["target"]
     before = load_file(str(target_dir / "model.safetensors"))
     gen = torch.Generator().manual_seed(0)
     sequences = (torch.randint(3, 300, (6, 24), generator=gen), torch.randint(3, 300, (4, 24), generator=gen))

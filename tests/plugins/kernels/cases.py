@@ -13,11 +13,12 @@ import torch
 
 from export.archs.common import gather_pool
 from export.paged import PagedPools
-from export.spec import apply_bitmask, is_greedy, pack_bitmask, sample_inverse_cdf, truncated_probs, verify
 from plugins.moe import reference as moe_reference
 from plugins.paged_attention import reference as attention_reference
 from plugins.paged_mla import reference as mla_reference
 from plugins.spec_accept import reference as accept_reference
+from plugins.spec_accept.bitmask import apply_bitmask, pack_bitmask
+from plugins.spec_accept.truncation import is_greedy, sample_inverse_cdf, truncated_probs
 
 ATOL = 1e-5
 RELAXED = dict(relaxed_top_n=10, relaxed_delta=0.6)
@@ -290,7 +291,6 @@ def check_spec_accept(name: str, device: str) -> tuple[torch.Tensor, torch.Tenso
     num_accepted) for coverage checks."""
     from plugins.spec_accept import kernels
 
-    accept_reference.register_reference(verify)   # what export/step/spec_glue.py does on import
     inputs = accept_inputs(name, device)
     args = [inputs[key] for key in ("logits", "draft_tokens", "temperature", "top_k", "top_p", "min_p", "noise",
                                     "in_thinking_phase")]

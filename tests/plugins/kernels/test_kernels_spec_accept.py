@@ -1,4 +1,4 @@
-"""SpecAccept's Triton kernel gives exactly the registered reference's tokens (export.spec.verify) for the
+"""SpecAccept's Triton kernel gives exactly the reference's tokens (acceptance.verify) for the
 same noise, row by row, in the interpreter on CPU: K = 0, 1, 2, 3, 4, 7; greedy and sampled rows with top-k /
 top-p / min-p on and off; thinking rows (relaxed acceptance); -1 drafts; grammar bitmasks (one allowing
 nothing); tied logits; float16 logits; a vocabulary spanning several tiles."""

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from export.spec.bitmask import apply_bitmask
-from export.spec.truncation import PROB_DTYPE, is_greedy, sample_inverse_cdf, truncated_probs
+from plugins.spec_accept.bitmask import apply_bitmask
+from plugins.spec_accept.truncation import PROB_DTYPE, is_greedy, sample_inverse_cdf, truncated_probs
 
 NOISE_CHANNELS = 3
 NOISE_TARGET = 0    # position i < K: y_i (sample-and-match) or the coin u_i (rejection); i = K: the bonus

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from export.spec import NOISE_CHANNELS, NOISE_DRAFT, sample_draft, verify
+from plugins.spec_accept.acceptance import NOISE_CHANNELS, NOISE_DRAFT, sample_draft, verify
 from runtime.noise import RequestNoise, batch_noise
 
 VOCAB, K, STEPS = 40, 3, 8

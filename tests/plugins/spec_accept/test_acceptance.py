@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from export.spec.acceptance import NOISE_CHANNELS, count_accepted, rejection_verdict, verify
-from export.spec.bitmask import pack_bitmask
-from export.spec.truncation import sample_inverse_cdf, truncated_probs
+from plugins.spec_accept.acceptance import NOISE_CHANNELS, count_accepted, rejection_verdict, verify
+from plugins.spec_accept.bitmask import pack_bitmask
+from plugins.spec_accept.truncation import sample_inverse_cdf, truncated_probs
 
 NEG = -30.0
 

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from export.spec.ragged import (
+from plugins.spec_accept.ragged import (
     PLACEHOLDER_DRAFT,
     gather_last_accepted,
     last_accepted_index,

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from export.spec.truncation import sample_inverse_cdf, truncated_probs
+from plugins.spec_accept.truncation import sample_inverse_cdf, truncated_probs
 
 
 def reference_truncated(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
@@ -73,7 +73,7 @@ def test_inverse_cdf_intervals_and_edges() -> None:
 
 def test_the_sort_free_branch_equals_the_ranked_one_when_nothing_truncates() -> None:
     """Steps without top-k / top-p skip the sort (an ONNX If); both branches must give the same floor."""
-    from export.spec.truncation import _ranked_floor, _untruncated_floor
+    from plugins.spec_accept.truncation import _ranked_floor, _untruncated_floor
 
     probs = torch.softmax(torch.randn(3, 4, 50, dtype=torch.float64), dim=-1)
     k = torch.full((3, 4), 50)

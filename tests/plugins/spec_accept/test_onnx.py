@@ -16,18 +16,14 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.spec import (
-    NOISE_CHANNELS,
-    NOISE_DRAFT,
+from plugins.spec_accept.acceptance import NOISE_CHANNELS, NOISE_DRAFT, sample_draft, verify
+from plugins.spec_accept.bitmask import num_bitmask_words, pack_bitmask
+from plugins.spec_accept.ragged import (
     gather_last_accepted,
     last_accepted_index,
     merge_drafts,
     merge_positions,
-    num_bitmask_words,
-    pack_bitmask,
-    sample_draft,
     shift_tokens,
-    verify,
 )
 
 CASES = 300

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export.spec.acceptance import (
+from plugins.spec_accept.acceptance import (
     NOISE_CHANNELS,
     NOISE_DRAFT,
     NOISE_RESIDUAL,
@@ -25,8 +25,8 @@ from export.spec.acceptance import (
     sample_draft,
     verify,
 )
-from export.spec.truncation import sample_inverse_cdf, truncated_probs
-from tests.export.spec.test_truncation import reference_truncated
+from plugins.spec_accept.truncation import sample_inverse_cdf, truncated_probs
+from tests.plugins.spec_accept.test_truncation import reference_truncated
 
 VOCAB, K, ROWS = 48, 4, 12_000
 P_THRESHOLD = 1e-4

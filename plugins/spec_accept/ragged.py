@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from export.archs.common import row_ids_of
+from plugins.ragged import row_ids_of
 
 PLACEHOLDER_DRAFT = 0
 

@@ -1,4 +1,4 @@
-"""SpecAccept: the custom op runs export.spec.verify (registered, the math exists once), and the exported
+"""SpecAccept: the custom op runs acceptance.verify (its reference, the math exists once), and the exported
 two-output `unispec::SpecAccept` node runs in ONNX Runtime with the same tokens, with and without the
 optional grammar bitmask (two overloads: the functions differ in their inputs)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export.spec import NOISE_CHANNELS, RELAXED_DELTA, RELAXED_TOP_N, pack_bitmask, verify
-from plugins.spec_accept import reference
+from plugins.spec_accept.acceptance import NOISE_CHANNELS, RELAXED_DELTA, RELAXED_TOP_N, verify
+from plugins.spec_accept.bitmask import pack_bitmask
 from plugins.spec_accept.op import spec_accept
 from tests.plugins.harness import (
     assert_ort_matches,
@@ -20,11 +20,6 @@ from tests.plugins.harness import (
 )
 
 RELAXED = dict(relaxed_top_n=RELAXED_TOP_N, relaxed_delta=RELAXED_DELTA)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def registered():
-    reference.register_reference(verify)   # what export/step/spec_glue.py does on import
 
 
 def accept_inputs(seed: int, rows: int, k: int, vocab: int) -> dict[str, torch.Tensor]:

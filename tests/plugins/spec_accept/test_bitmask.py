@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from export.spec.bitmask import apply_bitmask, num_bitmask_words, pack_bitmask, unpack_bitmask
+from plugins.spec_accept.bitmask import apply_bitmask, num_bitmask_words, pack_bitmask, unpack_bitmask
 
 
 def _numpy_unpack(words: np.ndarray, vocab_size: int) -> np.ndarray:
