@@ -142,8 +142,12 @@ class PersistentInputBuffers:
         self._flat = {}
         for s in specs:
             dtype = numpy_dtype(s.dtype)
-            count = int(np.prod(shape_of(s, bounds)))
-            raw = allocator(count * dtype.itemsize)
+            count = math.prod(shape_of(s, bounds))
+            try:
+                raw = allocator(count * dtype.itemsize)
+            except MemoryError:
+                raise ArtifactError(f"cannot allocate the {count * dtype.itemsize} bytes of step input {s.name!r} "
+                                    "(out of memory); lower the artifact's max batch / tokens per step") from None
             assert raw.dtype == np.uint8 and raw.size == count * dtype.itemsize, "allocator returned a wrong buffer"
             self._flat[s.name] = raw.view(dtype)
             self._flat[s.name][...] = 0

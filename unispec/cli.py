@@ -10,6 +10,7 @@ import click
 
 from export.archs import FAMILIES
 from runtime.errors import UnispecError
+from unispec.cli_errors import OneLineErrors, read_text
 
 
 class _MethodChoice(click.Choice):
@@ -30,19 +31,7 @@ class _MethodChoice(click.Choice):
         pass
 
 
-class _Group(click.Group):
-    """Turns unispec's own errors into one clear line (exit 1) unless `--debug` asks for the traceback."""
-
-    def invoke(self, ctx: click.Context):  # type: ignore[override]
-        try:
-            return super().invoke(ctx)
-        except UnispecError as exc:
-            if ctx.obj and ctx.obj.get("debug"):
-                raise
-            raise click.ClickException(str(exc)) from None
-
-
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 @click.version_option(package_name="unispec")
 @click.pass_context
@@ -65,7 +54,10 @@ _CHECKPOINT_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
               help="Draft tokens per step (K), fixed per artifact; ignored by `none`; when omitted, read from a "
                    "draft that fixes it (DFlash: block_size - 1).  [default: 3]")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Artifact directory (an existing artifact there is replaced once the new one is complete).")
+              help="Artifact directory (an existing artifact there is replaced once the new one is complete; "
+                   "a directory holding anything else is refused).")
+@click.option("--force", is_flag=True,
+              help="Write into an --out that holds other files: only files with an artifact's names are replaced.")
 @click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), default="float32",
               show_default=True, help="Weights and KV pools.")
 @click.option("--structured-output", is_flag=True, help="Add the token_bitmask input for grammars.")
@@ -141,7 +133,7 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
-    params = SamplingParams(json_schema=json_schema.read_text() if json_schema else None, **sampling)
+    params = SamplingParams(json_schema=read_text(json_schema, "--json-schema") if json_schema else None, **sampling)
     try:
         request = [int(t) for t in prompt_ids.split(",")] if prompt_ids is not None else prompt
     except ValueError:
@@ -321,7 +313,10 @@ def inspect(artifact_dir: Path) -> None:
     from rich.console import Console
 
     from export.artifact import read_artifact
+    from runtime.artifact_check import check_artifact
+    from runtime.manifest import Manifest
 
+    check_artifact(artifact_dir, Manifest.load(artifact_dir))     # files inside it, manifest fields vs graph
     console = Console()
     for table in _artifact_tables(artifact_dir, read_artifact(artifact_dir)):
         console.print(table)

@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from runtime import manifest as io
+from runtime.artifact_check import check_pool_memory
 from runtime.backend import PersistentInputBuffers, numpy_dtype, shape_of, step_bounds
-from runtime.errors import ArtifactError, BackendUnavailableError, UnispecError
+from runtime.errors import ArtifactError, BackendUnavailableError, InvalidRequestError, UnispecError
 
 __all__ = ["OrtBackend", "default_providers"]
 
@@ -59,6 +60,7 @@ class OrtBackend:
                  providers: Sequence[str] | None = None, num_threads: int | None = None) -> None:
         if num_blocks < 1:
             raise UnispecError(f"num_blocks must be >= 1, got {num_blocks}")
+        check_pool_memory(manifest, num_blocks)             # the pools live in host memory
         self.manifest, self.num_blocks = manifest, num_blocks
         self.session = _open_session(Path(artifact_dir), manifest, providers, num_threads)
         pool_names = {p.name for p in manifest.pools}
@@ -73,8 +75,12 @@ class OrtBackend:
         # (a decode step usually does), as rebinding 13 inputs and 4 outputs costs ~0.1 ms of Python per step.
         self._bound: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._output_shapes: dict[tuple[int, int, int], dict[str, tuple[int, ...]]] = {}   # per step geometry
-        self.pools = {p.name: np.zeros((num_blocks, p.num_layers, manifest.block_size, p.width),
-                                       dtype=numpy_dtype(p.dtype)) for p in manifest.pools}
+        try:
+            self.pools = {p.name: np.zeros((num_blocks, p.num_layers, manifest.block_size, p.width),
+                                           dtype=numpy_dtype(p.dtype)) for p in manifest.pools}
+        except MemoryError:
+            raise InvalidRequestError(f"cannot allocate KV pools of {num_blocks} blocks (out of memory); lower "
+                                      "num_blocks or kv_memory_bytes") from None
         ort = _ort()
         # OrtValues over the pools' memory; kept alive here because the binding only references them.
         self._pool_values = {name: ort.OrtValue.ortvalue_from_numpy(pool) for name, pool in self.pools.items()}
@@ -145,6 +151,7 @@ def _open_session(artifact_dir: Path, manifest: io.Manifest, providers: Sequence
     if manifest.weights_file and not (artifact_dir / manifest.weights_file).is_file():
         raise ArtifactError(f"{artifact_dir}: no {manifest.weights_file} (the model's weights); the artifact "
                             "is damaged, re-export it")
+    _check_options(ort, providers, num_threads)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if num_threads is not None:
@@ -157,6 +164,18 @@ def _open_session(artifact_dir: Path, manifest: io.Manifest, providers: Sequence
                             "re-export it") from None
     _check_io(session, manifest, model)
     return session
+
+
+def _check_options(ort: Any, providers: Sequence[str] | None, num_threads: int | None) -> None:
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                    or not 0 <= num_threads <= 4096):
+        raise InvalidRequestError(f"num_threads={num_threads!r} is invalid; use an int in [0, 4096] (0 = ONNX "
+                                  "Runtime's default)")
+    if providers is not None:
+        available = ort.get_available_providers()
+        if isinstance(providers, str) or not all(isinstance(p, str) and p in available for p in providers):
+            raise InvalidRequestError(f"providers={providers!r} is invalid; use a list of this onnxruntime's "
+                                      f"providers: {', '.join(available)}")
 
 
 def _check_io(session: Any, manifest: io.Manifest, model: Path) -> None:

@@ -36,14 +36,14 @@ def test_token_ids_committed_while_the_consumer_holds_a_chunk_are_not_skipped(ti
 def test_text_read_just_before_another_thread_finishes_the_request_is_completed(tiny_artifact, monkeypatch) -> None:
     llm = LLM(tiny_artifact(CASE + JSON_SUFFIX).path, num_blocks=64)
     want = llm.generate(["hello"], PARAMS)[0].text
-    stream, original = llm.stream("hello", PARAMS), Stream._visible_text
+    stream, original = llm.stream("hello", PARAMS), Stream._new_text
 
-    def stale_then_finished(self: Stream) -> str:
-        text = original(self)                # read while unfinished ...
+    def stale_then_finished(self: Stream, sent: int) -> list[str]:
+        text = original(self, sent)          # read while unfinished ...
         if self.output is None:
             _finish_elsewhere(self)          # ... then another thread's step ends the request
         return text
 
-    monkeypatch.setattr(Stream, "_visible_text", stale_then_finished)
+    monkeypatch.setattr(Stream, "_new_text", stale_then_finished)
     assert "".join(stream) == want and want
 
