@@ -59,7 +59,7 @@ def _libs(flavour: str = "tensorrt") -> tuple[Any, Any]:
         tensorrt = importlib.import_module(_FLAVOUR_MODULES[flavour])
     except (ImportError, OSError):       # OSError: the package is there, its libraries are not
         raise BackendUnavailableError(NO_TENSORRT if flavour == "tensorrt" else
-                                      f"this engine was built with TensorRT-RTX; pip install unispec[trt-rtx] "
+                                      "this engine was built with TensorRT-RTX; pip install unispec[trt-rtx] "
                                       "on a GPU machine to run it") from None
     try:
         import torch
