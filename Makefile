@@ -18,10 +18,14 @@ OUT ?= artifacts/$(METHOD)
 ART ?= $(OUT)
 RECIPE ?=
 TIMING_CACHE ?=
+FLAVOUR ?=
+CC ?=
 # make bench ART=artifacts/x [BENCH_ARGS="--baseline artifacts/none --batch-sizes 1 --json out.json --plot out.png"]
 BENCH_ARGS ?=
+# make serve ART=artifacts/x [SERVE_ARGS="--port 8000 --replicas 2"]: OpenAI-compatible server (README "Serving")
+SERVE_ARGS ?=
 
-.PHONY: install test test-all lint demo models export engines bench clean
+.PHONY: install test test-all test-trt lint demo models export engines bench serve clean
 
 install: $(STAMP)
 
@@ -38,6 +42,11 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q
+
+# The trt_build group alone: every method's tiny artifact built into a TensorRT-RTX engine, CPU-only
+# (float16 and float32; a few minutes). `make test` runs its quick structured-output build.
+test-trt: install
+	$(PY) -m pytest -q -m trt_build tests/engines
 
 lint: install
 	$(VENV)/bin/ruff check unispec export runtime plugins engines tests
@@ -57,11 +66,17 @@ export: install
 		--num-speculative-tokens $(K) --dtype $(DTYPE) --out $(OUT) $(EXPORT_ARGS)
 
 # make engines ART=artifacts/x [RECIPE=decode-heavy|file.toml] [TIMING_CACHE=build/timing.cache]
+#              [FLAVOUR=tensorrt-rtx|tensorrt] [CC="sm_86 sm_89"]   (TensorRT-RTX builds CPU-only; see README)
 engines: install
-	$(UNISPEC) build $(ART) $(if $(RECIPE),--recipe $(RECIPE)) $(if $(TIMING_CACHE),--timing-cache $(TIMING_CACHE))
+	$(UNISPEC) build $(ART) $(if $(RECIPE),--recipe $(RECIPE)) $(if $(TIMING_CACHE),--timing-cache $(TIMING_CACHE)) \
+		$(if $(FLAVOUR),--flavour $(FLAVOUR)) $(foreach cc,$(CC),--compute-capability $(cc))
 
 bench: install
 	$(UNISPEC) bench $(ART) $(BENCH_ARGS)
+
+serve: install
+	@test -d "$(ART)" || { echo "usage: make serve ART=artifact_dir [SERVE_ARGS=\"--port 8000 --replicas 2\"]"; exit 2; }
+	$(UNISPEC) serve $(ART) $(SERVE_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

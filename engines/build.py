@@ -1,8 +1,12 @@
 """`unispec build`: an artifact's ONNX graph -> a TensorRT engine written into the artifact.
 
   manifest.json + recipe ──plan_build──▶ BuildPlan (profile shapes, pool size)        pure, no TensorRT
-  model.onnx + BuildPlan ──tensorrt_build.build_serialized──▶ plan bytes, timing cache   TensorRT
+  installed TensorRT / --flavour ──select_flavour──▶ Flavour + target GPUs            pure (flavours.py)
+  model.onnx + BuildPlan ──tensorrt_build.build_serialized──▶ plan bytes, timing cache   TensorRT 11 or -RTX
   plan bytes ──write_engine──▶ engine.plan, engine.json, manifest.engine                 atomic
+
+engine.json and manifest.engine record the flavour, its version and the compute capabilities built for:
+an engine runs only under the same flavour and version, on one of those GPUs.
 
 Atomicity: the new files are written under temporary names first; then the manifest is rewritten with
 `engine: null`, the files are renamed into place, and the manifest is rewritten naming them (each
@@ -17,10 +21,12 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engines.flavours import gpu_capability, parse_compute_capability, select_flavour
 from engines.profiles import DimRange, ShapeRange, dim_ranges, input_shapes
 from engines.recipe import Recipe, load_recipe
 from runtime.errors import ArtifactError, ConfigError
@@ -64,12 +70,15 @@ def load_artifact(artifact_dir: str | Path) -> tuple[Path, Manifest]:
 
 
 def build_engine(artifact_dir: str | Path, *, recipe: str | Path | Recipe | None = None,
-                 timing_cache: str | Path | None = None) -> Path:
+                 timing_cache: str | Path | None = None, flavour: str | None = None,
+                 compute_capabilities: Sequence[str] | None = None) -> Path:
     """Build the artifact's TensorRT engine; returns the path of the written `engine.plan`.
 
     `recipe` is a Recipe, a recipe file, a built-in recipe name, or None (engines/recipes/default.toml).
-    `timing_cache` is read when it exists and written back (atomically) after the build. Without TensorRT
-    this raises a one-line BackendUnavailableError after the artifact and recipe have been checked.
+    `timing_cache` is read when it exists and written back (atomically) after the build. `flavour` is
+    "tensorrt" or "tensorrt-rtx" (None: the installed one, engines/flavours.py); `compute_capabilities`
+    ("sm_86", ...) are TensorRT-RTX's targets, overriding the recipe's. Without TensorRT this raises a
+    one-line BackendUnavailableError after the artifact and recipe have been checked.
     """
     from engines.tensorrt_build import build_serialized
 
@@ -77,13 +86,23 @@ def build_engine(artifact_dir: str | Path, *, recipe: str | Path | Recipe | None
     plan = plan_build(manifest, recipe if isinstance(recipe, Recipe) else load_recipe(recipe))
     cache_path = Path(timing_cache) if timing_cache is not None else None
     old_cache = _read_cache(cache_path)
+    gpu = gpu_capability()
+    chosen = select_flavour(flavour, gpu=gpu)
+    chosen.check_tactic_sources(plan.recipe.tactic_sources, f"recipe {plan.recipe.name!r}")
+    requested = tuple(parse_compute_capability(cc) for cc in compute_capabilities or ())
+    if not requested and chosen.targetable:      # the recipe's targets are TensorRT-RTX's; 11 ignores them
+        requested = plan.recipe.compute_capabilities or ()
+    targets = chosen.targets(requested or None, gpu)
     started = time.perf_counter()
-    result = build_serialized(directory / manifest.model_file, manifest, plan.recipe, plan.shapes, old_cache)
+    result = build_serialized(directory / manifest.model_file, manifest, plan.recipe, plan.shapes, old_cache,
+                              flavour=chosen, targets=targets)
     seconds = time.perf_counter() - started
     if cache_path is not None:
         _write_atomic(cache_path, result.timing_cache)
     settings = {
-        "tensorrt_version": result.tensorrt_version, "device": _device_name(), "build_seconds": round(seconds, 3),
+        "flavour": result.flavour, "tensorrt_version": result.tensorrt_version,
+        "compute_capabilities": list(result.targets), "device": _device_name(), "build_seconds": round(seconds, 3),
+        "engine_bytes": len(result.plan),
         "network_flags": list(result.network_flags), "parser_flags": list(result.parser_flags),
         "plugins": {"registered": list(result.plugin_ops), "plugin_layers": result.plugin_layers,
                     "reference_functions": sorted(set(manifest.ops) - set(result.plugin_ops))},
@@ -137,9 +156,10 @@ def write_engine(directory: Path, manifest: Manifest, plan_bytes: bytes, plan: B
     finally:
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)
-    engine = {"plan": ENGINE_PLAN, "settings": ENGINE_SETTINGS, "tensorrt_version": extra.get("tensorrt_version"),
-              "recipe": plan.recipe.name, "num_blocks": plan.num_blocks,
-              "cuda_graph_batches": list(plan.cuda_graph_batches)}
+    engine = {"plan": ENGINE_PLAN, "settings": ENGINE_SETTINGS, "flavour": extra.get("flavour", "tensorrt"),
+              "tensorrt_version": extra.get("tensorrt_version"),
+              "compute_capabilities": extra.get("compute_capabilities", []), "recipe": plan.recipe.name,
+              "num_blocks": plan.num_blocks, "cuda_graph_batches": list(plan.cuda_graph_batches)}
     _write_manifest(directory, dataclasses.replace(manifest, engine=engine))
     return directory / ENGINE_PLAN
 
@@ -164,6 +184,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def describe_engine(plan_path: Path) -> str:
+    """One line for `unispec build`: the engine, its size, build time, flavour, version and targets."""
+    settings = json.loads((plan_path.parent / ENGINE_SETTINGS).read_text())
+    return (f"engine: {plan_path} ({plan_path.stat().st_size / 2**20:.1f} MiB, built in "
+            f"{settings['build_seconds']:.1f} s with {settings['flavour']} {settings['tensorrt_version']} for "
+            f"{', '.join(settings['compute_capabilities'])})")
 
 
 def describe_plan(manifest: Manifest, plan: BuildPlan) -> list[Any]:

@@ -8,8 +8,10 @@ artifacts: opt values are clamped into each artifact's own ranges (engines/profi
     description = "kernels tuned for full batches of one new token per row"
     opt_tokens_per_row = 1
 
-There are no precision fields: TensorRT 11 networks are strongly typed, so every tensor's type is the
-ONNX graph's (export with --dtype to change it); FP16/BF16 builder flags no longer exist.
+There are no precision fields: TensorRT 11 and TensorRT-RTX networks are strongly typed, so every tensor's
+type is the ONNX graph's (export with --dtype to change it); FP16/BF16 builder flags no longer exist.
+`compute_capabilities` (["sm_86", "sm_89"]) picks TensorRT-RTX's target GPUs; TensorRT 11 ignores it (it
+builds for the GPU it runs on). `tactic_sources` is checked against the flavour that builds.
 Built-in recipes live in engines/recipes/ and are named by their file stem (`--recipe decode-heavy`).
 """
 
@@ -23,6 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from engines.flavours import RTX_COMPUTE_CAPABILITIES, parse_compute_capability
 from runtime.errors import ConfigError
 
 __all__ = ["BUILTIN_DIR", "DEFAULT_RECIPE", "TACTIC_SOURCES", "Recipe", "builtin_recipes", "load_recipe",
@@ -30,7 +33,8 @@ __all__ = ["BUILTIN_DIR", "DEFAULT_RECIPE", "TACTIC_SOURCES", "Recipe", "builtin
 
 BUILTIN_DIR = "recipes"
 DEFAULT_RECIPE = "default"
-# TensorRT TacticSource names a recipe may list (TensorRT 10/11; a build checks them against the installed one)
+# TacticSource names a recipe may list (TensorRT 11 has all; TensorRT-RTX only the last two: a build checks
+# them against its flavour, engines/flavours.py)
 TACTIC_SOURCES = ("CUBLAS", "CUBLAS_LT", "CUDNN", "EDGE_MASK_CONVOLUTIONS", "JIT_CONVOLUTIONS")
 
 
@@ -43,6 +47,8 @@ class Recipe:
     builder_optimization_level: int = 3          # 0..5: higher searches more tactics, builds slower
     max_workspace_bytes: int | None = None       # WORKSPACE memory pool limit
     tactic_sources: tuple[str, ...] | None = None
+    compute_capabilities: tuple[str, ...] | None = None   # TensorRT-RTX targets ("sm_86"); None: the GPU
+                                                          # present, else engines.flavours.RTX_DEFAULT_TARGETS
     num_blocks: int | None = None                # largest KV pool the engine accepts (default: a full batch
     kv_memory_bytes: int | None = None           # of max_model_len rows), optionally capped by this budget
     opt_batch: int | None = None                 # profile opt: rows per step (default: max_batch_size)
@@ -67,6 +73,16 @@ class Recipe:
         unknown = sorted(set(self.tactic_sources or ()) - set(TACTIC_SOURCES))
         if unknown:
             raise ConfigError(f"{where}: unknown tactic_sources {unknown}; use names from {list(TACTIC_SOURCES)}")
+        if self.compute_capabilities is not None:
+            try:
+                targets = tuple(parse_compute_capability(cc) for cc in self.compute_capabilities)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+            outside = [cc for cc in targets if cc not in RTX_COMPUTE_CAPABILITIES]
+            if not targets or outside:
+                raise ConfigError(f"{where}: compute_capabilities {list(self.compute_capabilities)} must name "
+                                  f"TensorRT-RTX targets from {list(RTX_COMPUTE_CAPABILITIES)}")
+            object.__setattr__(self, "compute_capabilities", targets)      # normalized: "8.6" -> "sm_86"
         if any(b < 1 for b in self.cuda_graph_batches) or list(self.cuda_graph_batches) != sorted(
                 set(self.cuda_graph_batches)):
             raise ConfigError(f"{where}: cuda_graph_batches must be increasing batch sizes >= 1, got "

@@ -1,46 +1,51 @@
-"""The TensorRT half of `unispec build`: ONNX artifact graph -> serialized engine (TensorRT 11 Python API).
+"""The TensorRT half of `unispec build`: ONNX artifact graph -> serialized engine, for either flavour
+(engines/flavours.py: TensorRT 11 `tensorrt` or TensorRT-RTX `tensorrt_rtx`, imported lazily).
 
-Everything here imports `tensorrt` lazily and runs only where TensorRT and an NVIDIA GPU exist; it was
-written against the API names in shared/reference/tensorrt_onnx.md and has not been run on this project's
-CPU machines (tests/engines/test_tensorrt_build.py is marked `trt`).
-
-  trt.Builder(logger).create_network(flags)      strongly typed: STRONGLY_TYPED where the enum still has it
-                                                 (TensorRT 10); TensorRT 11 is always strongly typed
-  trt.OnnxParser(network, logger)                ENABLE_PLUGIN_OVERRIDE when the parser knows it; our custom
-    .parse_from_file(model.onnx)                 nodes carry plugin_namespace="unispec", so a registered
-                                                 plugin wins over the node's model-local reference function
-                                                 (parser >= 10.15), and an unregistered op imports its function
-  builder.create_builder_config()                builder_optimization_level, WORKSPACE pool limit, tactic sources
+  onnx_check.find_problems(model.onnx)           Bitwise ops and nested If named before TensorRT sees them
+  trt.Builder(logger).create_network(flags)      strongly typed (STRONGLY_TYPED where the enum still has it;
+                                                 TensorRT 11 is always strongly typed)
+  trt.OnnxParser(network, logger)                TensorRT 11: ENABLE_PLUGIN_OVERRIDE, and our custom nodes carry
+    .parse_from_file(model.onnx)                 plugin_namespace="unispec", so a registered QDP plugin wins
+                                                 over the node's model-local reference function (parser >= 10.15);
+                                                 TensorRT-RTX (no QDP): every custom op imports its function
+  builder.create_builder_config()                builder_optimization_level, WORKSPACE pool limit, tactic
+                                                 sources, compute capabilities (TensorRT-RTX: explicit targets)
   builder.create_optimization_profile()          set_shape(name, min, opt, max) per dynamic input
   config.create_timing_cache / set_timing_cache  reused from --timing-cache, serialized back after the build
   builder.build_serialized_network(network, config)
+
+TensorRT-RTX builds without a GPU (CPU-only AOT); TensorRT 11 needs one. The logger keeps TensorRT's error
+lines, so a parser failure names the node, its op and the custom op whose reference function holds it, and
+a builder failure quotes TensorRT's own first error, each in one line that says what to do.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import pkgutil
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engines.flavours import Flavour
+from engines.onnx_check import find_problems, load_graph
 from engines.profiles import ShapeRange
 from engines.recipe import Recipe
-from runtime.errors import ArtifactError, BackendUnavailableError, ConfigError, UnispecError
+from runtime.errors import ArtifactError, ConfigError, UnispecError
 from runtime.manifest import Manifest
 
-__all__ = ["PLUGIN_NAMESPACE", "PLUGIN_VERSION", "BuildResult", "build_serialized", "import_tensorrt",
+__all__ = ["PLUGIN_NAMESPACE", "PLUGIN_VERSION", "BuildResult", "build_serialized", "check_graph",
            "register_plugins"]
 
 log = logging.getLogger(__name__)
 
 PLUGIN_NAMESPACE, PLUGIN_VERSION = "unispec", "1"     # the attributes every custom node carries (DESIGN.md §4)
-# The plugins package's single registration entry point (written alongside plugins/<op>/trt.py).
-REGISTER_ALL = "plugins.trt_common:register_all"
-NO_TENSORRT = ("TensorRT is not installed; unispec build needs the tensorrt package (pip install unispec[trt]) "
-               "and an NVIDIA GPU")
+# Warnings logged at debug level only: TensorRT warns once per inlined function call that node names repeat
+# (each call of a reference function reuses the function's node names), hundreds of lines on a real graph;
+# and that int64 inputs/outputs need int64 bindings, which the runtime binds by design.
+_NOISE = re.compile(r"A node named .* already exists|Make sure (input|output) \S+ has Int64 binding")
+RE_EXPORT = "re-export the artifact with this unispec (`unispec export`), whose graphs avoid it"
 
 
 @dataclass(frozen=True)
@@ -52,54 +57,48 @@ class BuildResult:
     plugin_layers: int                   # plugin layers in the parsed network
     network_flags: tuple[str, ...]
     parser_flags: tuple[str, ...]
+    flavour: str = "tensorrt"            # engines/flavours.py name
+    targets: tuple[str, ...] = ()        # compute capabilities the plan was built for
 
 
-def import_tensorrt() -> Any:
-    """`tensorrt`, or a one-line BackendUnavailableError (missing package or missing libnvinfer)."""
+def register_plugins() -> None:
+    """Register unispec's TensorRT plugins (tensorrt.plugin decorators, plugins.trt_common.register_all)
+    before parsing (TensorRT 11 only). A registration that fails (say, Triton missing) is only a warning:
+    the parser then imports each node's ONNX reference function instead."""
+    from plugins.trt_common import register_all
+
     try:
-        import tensorrt
-    except (ImportError, OSError):
-        raise BackendUnavailableError(NO_TENSORRT) from None
-    return tensorrt
+        register_all()
+    except ImportError as exc:
+        log.warning("unispec TensorRT plugins could not be registered (%s); custom ops will be built "
+                    "from their ONNX reference functions", exc)
 
 
-def register_plugins(ops: tuple[str, ...]) -> None:
-    """Register unispec's TensorRT plugins (tensorrt.plugin decorators) before parsing.
+def check_graph(model: Path) -> None:
+    """One-line ArtifactError for the first construct no TensorRT builds (engines/onnx_check.py)."""
+    problems = find_problems(load_graph(model))
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ArtifactError(f"{model}: {problems[0].describe()}{more}; {RE_EXPORT}")
 
-    Calls `plugins.trt_common.register_all()` when it exists; otherwise calls `register()` of
-    `plugins/<op>/trt.py` for each custom op the graph uses (PagedAttention -> plugins/paged_attention/trt.py).
-    A missing plugin is
-    not an error here: the parser then imports the node's ONNX reference function instead.
-    """
-    module_name, function = REGISTER_ALL.split(":")
-    try:
-        register_all = getattr(importlib.import_module(module_name), function, None)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        register_all = None
-    if register_all is not None:
-        try:
-            register_all()
-        except ImportError as exc:          # e.g. Triton missing: the ops build as reference functions
-            log.warning("unispec TensorRT plugins could not be registered (%s); custom ops will be built "
-                        "from their ONNX reference functions", exc)
-        return
-    import plugins
 
-    folders = {info.name.replace("_", ""): info.name for info in pkgutil.iter_modules(plugins.__path__)}
-    for op in ops:
-        folder = folders.get(op.lower())
-        if folder is None:
-            continue
-        try:
-            module = importlib.import_module(f"plugins.{folder}.trt")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"plugins.{folder}.trt":
-                raise
-            continue
-        if callable(getattr(module, "register", None)):      # plugins declare themselves inside register()
-            module.register()
+def _logger(trt: Any) -> Any:
+    """A TensorRT logger that keeps the error lines for our messages and sends the rest to `logging`."""
+    error = int(trt.ILogger.Severity.ERROR)
+    levels = {int(trt.ILogger.Severity.WARNING): logging.WARNING}
+
+    class Logger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, severity: Any, message: str) -> None:
+            if int(severity) <= error:           # reported in our one-line error, and at debug level
+                self.errors.append(" ".join(message.split()))
+            level = levels.get(int(severity), logging.DEBUG)
+            log.log(logging.DEBUG if _NOISE.search(message) else level, "TensorRT: %s", message)
+
+    return Logger()
 
 
 def _registered(trt: Any, op: str) -> bool:
@@ -114,25 +113,50 @@ def _registered(trt: Any, op: str) -> bool:
 def _network(trt: Any, builder: Any) -> tuple[Any, tuple[str, ...]]:
     flags, names = 0, []
     strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    if strongly_typed is not None:       # TensorRT 10 needs it; 11 keeps it as an ignored, deprecated flag
+    if strongly_typed is not None:       # TensorRT 10 / TensorRT-RTX have it; 11 keeps it as an ignored flag
         flags |= 1 << int(strongly_typed)
         names.append("STRONGLY_TYPED")
     return builder.create_network(flags), tuple(names)
 
 
-def _parse(trt: Any, network: Any, logger: Any, model: Path) -> tuple[str, ...]:
+def _parse(trt: Any, flavour: Flavour, network: Any, logger: Any, model: Path) -> tuple[str, ...]:
     parser = trt.OnnxParser(network, logger)
     names = []
     override = getattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE", None)
-    if override is not None:
+    if flavour.plugins and override is not None:
         parser.set_flag(override)
         names.append("ENABLE_PLUGIN_OVERRIDE")
     if not parser.parse_from_file(str(model)):    # external weights resolve next to the model file
-        errors = [parser.get_error(i) for i in range(parser.num_errors)]
-        first = errors[0].desc() if errors else "no error recorded"
-        raise ArtifactError(f"{model}: TensorRT's ONNX parser rejects it ({len(errors)} errors; first: {first}); "
-                            "run with --debug and a verbose TensorRT log, or re-export the artifact")
+        raise ArtifactError(parser_error(flavour, model, [parser.get_error(i) for i in range(parser.num_errors)]))
     return tuple(names)
+
+
+def parser_error(flavour: Flavour, model: Path, errors: list[Any]) -> str:
+    """One line: which node, op and custom-op function the parser rejected, why, and what to do."""
+    if not errors:
+        return (f"{model}: {flavour.title}'s ONNX parser rejects it without an error record; {RE_EXPORT}, "
+                "and set logging to DEBUG to see TensorRT's log")
+    first = errors[0]
+    node, op = _call(first, "node_name"), _call(first, "node_operator")
+    stack = list(_call(first, "local_function_stack") or ())
+    # stack entries read "n0_16 (SpecAccept)": the graph node calling the function, then the function
+    calls = [re.fullmatch(r"(.*) \((.*)\)", entry) for entry in stack]
+    inside = "".join(f" in the reference function of unispec::{m.group(2)} (node {m.group(1)!r})"
+                     for m in calls if m) if calls else ""
+    code = getattr(_call(first, "code"), "name", _call(first, "code"))
+    reason = " ".join(str(_call(first, "desc") or "").split())
+    checker = _call(first, "func")
+    more = f"; {len(errors) - 1} more errors" if len(errors) > 1 else ""
+    advice = (f"{flavour.title} cannot import op {op}: {RE_EXPORT}" if code == "UNSUPPORTED_NODE"
+              else "re-export the artifact; if that does not help, report this line")
+    return (f"{model}: {flavour.title}'s ONNX parser rejects node {node!r} (op {op}){inside}: {code}"
+            f"{f' in {checker}' if checker else ''} ({reason}){more}; {advice}")
+
+
+def _call(error: Any, name: str) -> Any:
+    """A parser-error field; older TensorRT versions lack some of them."""
+    method = getattr(error, name, None)
+    return method() if callable(method) else None
 
 
 def _check_io(network: Any, manifest: Manifest, model: Path) -> None:
@@ -148,20 +172,19 @@ def _plugin_layers(trt: Any, network: Any) -> int:
     return sum(network.get_layer(i).type in kinds for i in range(network.num_layers))
 
 
-def _config(trt: Any, builder: Any, recipe: Recipe, shapes: Mapping[str, ShapeRange]) -> Any:
+def _config(trt: Any, flavour: Flavour, builder: Any, recipe: Recipe, shapes: Mapping[str, ShapeRange],
+            targets: tuple[str, ...]) -> Any:
     config = builder.create_builder_config()
     config.builder_optimization_level = recipe.builder_optimization_level
     if recipe.max_workspace_bytes is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, recipe.max_workspace_bytes)
     if recipe.tactic_sources is not None:
+        flavour.check_tactic_sources(recipe.tactic_sources, f"recipe {recipe.name!r}")
         mask = 0
         for name in recipe.tactic_sources:
-            source = getattr(trt.TacticSource, name, None)
-            if source is None:
-                raise ConfigError(f"recipe {recipe.name!r}: tactic source {name} does not exist in TensorRT "
-                                  f"{trt.__version__}; remove it from tactic_sources")
-            mask |= 1 << int(source)
+            mask |= 1 << int(getattr(trt.TacticSource, name))
         config.set_tactic_sources(mask)
+    flavour.configure(trt, config, targets)
     profile = builder.create_optimization_profile()
     for name, shape in shapes.items():
         profile.set_shape(name, shape.min, shape.opt, shape.max)
@@ -169,32 +192,49 @@ def _config(trt: Any, builder: Any, recipe: Recipe, shapes: Mapping[str, ShapeRa
     return config
 
 
+def build_error(flavour: Flavour, version: str, model: Path, targets: tuple[str, ...], errors: list[str]) -> str:
+    """One line for a build that returned no plan: TensorRT's first error and what to do about it."""
+    first = errors[0] if errors else "no error was logged"
+    first = re.sub(r"^IBuilder::buildSerializedNetwork: Error Code \d+: ", "", first)
+    if "FP32 GEMM is not supported" in first:
+        advice = ("TensorRT-RTX cannot compile float32 matrix products for Turing: drop sm_75 from "
+                  "--compute-capability / the recipe's compute_capabilities")
+    else:
+        advice = ("lower builder_optimization_level or raise max_workspace_bytes in the recipe; if it persists, "
+                  "report this line with the artifact's manifest.json (logging at DEBUG shows TensorRT's log)")
+    return (f"{flavour.title} {version} could not build an engine from {model} for {', '.join(targets)}: "
+            f"{first[:400]}; {advice}")
+
+
 def build_serialized(model: Path, manifest: Manifest, recipe: Recipe, shapes: Mapping[str, ShapeRange],
-                     timing_cache: bytes = b"") -> BuildResult:
-    """Parse, configure and build; returns the plan and the (updated) timing cache."""
-    trt = import_tensorrt()
-    logger = trt.Logger(trt.Logger.WARNING)
-    register_plugins(manifest.ops)
-    plugin_ops = tuple(op for op in manifest.ops if _registered(trt, op))
+                     timing_cache: bytes = b"", *, flavour: Flavour, targets: tuple[str, ...]) -> BuildResult:
+    """Check the graph, parse, configure and build; returns the plan and the (updated) timing cache."""
+    trt = flavour.load()
+    check_graph(model)
+    logger = _logger(trt)
+    plugin_ops: tuple[str, ...] = ()
+    if flavour.plugins:
+        register_plugins()
+        plugin_ops = tuple(op for op in manifest.ops if _registered(trt, op))
     missing = sorted(set(manifest.ops) - set(plugin_ops))
     if missing and recipe.require_plugins:
-        raise UnispecError(f"no TensorRT plugin is registered for {missing} (namespace {PLUGIN_NAMESPACE!r}); "
-                           "install the plugins or drop require_plugins from the recipe to build their ONNX "
-                           "reference functions instead")
+        raise UnispecError(f"no TensorRT plugin is registered for {missing} (namespace {PLUGIN_NAMESPACE!r}, "
+                           f"{flavour.title}); install the plugins (TensorRT 11) or drop require_plugins from "
+                           "the recipe to build their ONNX reference functions instead")
     builder = trt.Builder(logger)
     network, network_flags = _network(trt, builder)
-    parser_flags = _parse(trt, network, logger, model)
+    parser_flags = _parse(trt, flavour, network, logger, model)
     _check_io(network, manifest, model)
-    config = _config(trt, builder, recipe, shapes)
+    config = _config(trt, flavour, builder, recipe, shapes, targets)
     cache = config.create_timing_cache(timing_cache)
     if cache is None or not config.set_timing_cache(cache, False):   # False: made by another TensorRT / GPU
         raise ConfigError("the timing cache does not fit this TensorRT version or GPU; pass another "
                           "--timing-cache path (or delete the file) to start a fresh one")
+    logger.errors.clear()                       # parse-time errors were all survivable by now
     plan = builder.build_serialized_network(network, config)
     if plan is None:
-        raise UnispecError(f"TensorRT could not build an engine from {model} (its log above says why); "
-                           "try a lower builder_optimization_level or a larger max_workspace_bytes")
+        raise UnispecError(build_error(flavour, trt.__version__, model, targets, logger.errors))
     return BuildResult(plan=bytes(plan), timing_cache=bytes(config.get_timing_cache().serialize()),
                        tensorrt_version=trt.__version__, plugin_ops=plugin_ops,
                        plugin_layers=_plugin_layers(trt, network), network_flags=network_flags,
-                       parser_flags=parser_flags)
+                       parser_flags=parser_flags, flavour=flavour.name, targets=targets)

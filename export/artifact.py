@@ -1,12 +1,12 @@
 """Checkpoint directories -> an artifact directory (DESIGN.md §6): `export_model`, and `read_artifact`
 that checks one against its manifest (for `unispec inspect`).
 
-Everything is written under a temporary sibling and renamed into place at the end, so an interrupted
-or failed export never leaves a half artifact, and an artifact already at `out_dir` is replaced only
-once the new one is complete:
+Everything is written under a hidden sibling of `out_dir` and moved into place at the end, so an
+interrupted or failed export never leaves a half artifact, and what `out_dir` held is replaced only once
+the new artifact is complete, and only when it is an artifact (export/out_dir.py says what may be replaced):
 
   .<name>.tmp-<hex>/                 (next to out_dir)
-      trace/step.onnx                export_step's file, weights inline; removed before the rename
+      trace/step.onnx                export_step's file, weights inline; removed before the move
       model.onnx                     opset 24, IR 10, no weights
       model.onnx.data                every initializer; identical tensors (a drafter's copy of the
                                      target's embedding or head) stored once
@@ -14,7 +14,6 @@ once the new one is complete:
                                      its weights linked into model.onnx.data
       manifest.json                  runtime.manifest.Manifest
       tokenizer.json, ...            copied from the target checkpoint when present
-  out_dir ──rename──▶ .<name>.old-<hex>,  tmp ──rename──▶ out_dir,  rm -r .<name>.old-<hex>
 
 The graph-file work (external weights, shared tensors, TensorSpecs) lives in export/onnx_files.py.
 """
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import sys
 from collections.abc import Iterator
@@ -33,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from export.onnx_files import op_counts, plugin_ops, save_with_external_weights, tensor_specs, write_ort_graph
+from export.out_dir import plan_out_dir, staging
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ConfigError, ExportError
 from runtime.manifest import Manifest, PoolSpec, TensorSpec, TokenizerInfo
@@ -68,39 +67,59 @@ class ExportSettings:
     def __post_init__(self) -> None:
         if self.dtype not in WEIGHT_DTYPES:
             raise ExportError(f"--dtype {self.dtype!r} is not supported; use one of {', '.join(WEIGHT_DTYPES)}")
-        for flag, value in (("--block-size", self.block_size), ("--max-model-len", self.max_model_len),
-                            ("--max-batch-size", self.max_batch_size),
-                            ("--max-tokens-per-step", self.max_tokens_per_step)):
-            if value < 1:
-                raise ExportError(f"{flag} must be >= 1, got {value}")
+        bounds = [("--block-size", self.block_size, 1, io.MAX_BLOCK_SIZE),
+                  ("--max-model-len", self.max_model_len, 2, io.MAX_MODEL_LEN),
+                  ("--max-batch-size", self.max_batch_size, 1, io.MAX_BATCH_SIZE),
+                  ("--max-tokens-per-step", self.max_tokens_per_step, 1, io.MAX_TOKENS_PER_STEP)]
+        if self.method != "none" and self.num_speculative_tokens is not None:
+            # `none` ignores K; K >= 1 is checked with the method, a K read from a checkpoint after building
+            bounds.append(("--num-speculative-tokens", self.num_speculative_tokens, -sys.maxsize,
+                           io.max_speculative_tokens(self.method)))
+        for flag, value, lowest, highest in bounds:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ExportError(f"{flag} must be an int, got {value!r}")
+            if value < lowest:
+                raise ExportError(f"{flag} must be >= {lowest}, got {value}")
+            if value > highest:
+                raise ExportError(f"{flag} {value} is above unispec's limit of {highest}{self._why(flag)}")
         if self.max_tokens_per_step < self.max_batch_size:
             raise ExportError(f"--max-tokens-per-step ({self.max_tokens_per_step}) must be >= --max-batch-size "
                               f"({self.max_batch_size}): every row of a step brings at least one token")
+
+    def _why(self, flag: str) -> str:
+        if flag != "--num-speculative-tokens":
+            return " (README: Limits)"
+        if self.method in io.BLOCK_DRAFT_METHODS:
+            return f" for {self.method} (K = the drafter's block_size - 1, at most {io.MAX_BLOCK_DRAFT_TOKENS})"
+        return (f" for {self.method}: its drafter runs once per draft token, so K draft steps are unrolled in the "
+                f"graph; use at most {io.MAX_SPECULATIVE_TOKENS}")
 
 
 def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *, method: str,
                  num_speculative_tokens: int | None = None, out_dir: str | Path, dtype: str = "float32",
                  structured_output: bool = False, block_size: int = 16, max_model_len: int = 2048,
                  max_batch_size: int = 16, max_tokens_per_step: int = 512, target_only: bool = True,
-                 progress: bool | None = None) -> Path:
+                 progress: bool | None = None, force: bool = False) -> Path:
     """Export a target (+ draft) checkpoint as the artifact directory `out_dir`; returns its path.
 
     Bad combinations (method vs checkpoint families, K vs a DFlash block) fail with one-line errors
     before anything is written. `progress=None` shows a progress bar when stderr is a terminal.
     `target_only` (speculative methods) adds the graph that lets the runtime decode without drafts.
+    `out_dir` may hold an earlier artifact (replaced); anything else is refused unless `force`, which
+    writes the artifact's files into it and keeps every other file (export/out_dir.py).
     """
     settings = ExportSettings(method=method, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
                               structured_output=structured_output, block_size=block_size,
                               max_model_len=max_model_len, max_batch_size=max_batch_size,
                               max_tokens_per_step=max_tokens_per_step, target_only=target_only)
     target_dir, out = Path(target_dir), Path(os.path.abspath(out_dir))   # "." and ".." have no sibling to stage in
-    _check_out_dir(out)
+    plan = plan_out_dir(out, force)
     with _Stages(progress) as stages:
         stages.start("read checkpoints")
         sources = _read_sources(target_dir, draft_dir)
         stages.start("build step")
         step = _build(settings, target_dir, draft_dir)
-        with _staging(out) as tmp:
+        with staging(plan) as tmp:
             stages.start("trace + export")
             model = _trace(step, tmp / "trace", settings, sources["vocab_size"])
             stages.start("write weights")
@@ -120,15 +139,6 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
 
 
 # --- steps of an export ------------------------------------------------------------------------------------
-
-def _check_out_dir(out: Path) -> None:
-    """Replacing `out` must never delete anything but an earlier artifact."""
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} is a file; point --out at a new or artifact directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / io.MANIFEST_NAME).is_file():
-        raise ExportError(f"--out {out} exists and is not a unispec artifact (no {io.MANIFEST_NAME}); "
-                          "choose a new directory or remove it first")
-
 
 def _read_sources(target_dir: Path, draft_dir: str | Path | None) -> dict[str, Any]:
     """config.json of both checkpoints -> registry names, the target's vocabulary size, absolute paths."""
@@ -150,6 +160,9 @@ def _build(settings: ExportSettings, target_dir: Path, draft_dir: str | Path | N
 
     dtype = getattr(torch, settings.dtype)         # weights are read straight into the export dtype
     step = build_step(settings.method, target_dir, draft_dir, k=settings.num_speculative_tokens, dtype=dtype)
+    if step.k > io.max_speculative_tokens(settings.method):        # a K the draft checkpoint decided
+        raise ExportError(f"method {settings.method}: K = {step.k} (from {draft_dir}) is above unispec's limit of "
+                          f"{io.max_speculative_tokens(settings.method)}; use a drafter with a smaller block")
     step.structured_output = settings.structured_output
     return step.eval()
 
@@ -294,35 +307,7 @@ def _json_object(path: Path) -> dict[str, Any]:
     return d
 
 
-# --- atomic directory swap and progress --------------------------------------------------------------------------
-
-@contextmanager
-def _staging(out: Path) -> Iterator[Path]:
-    """A fresh sibling of `out` to write into; renamed onto `out` on success, removed on any failure."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        _move_into_place(tmp, out)
-    except BaseException:                     # KeyboardInterrupt included: never leave a half artifact
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    if not out.exists():
-        tmp.rename(out)
-        return
-    old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
-    out.rename(old)
-    try:
-        tmp.rename(out)
-    except BaseException:
-        old.rename(out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
+# --- progress ----------------------------------------------------------------------------------------------------
 
 class _Stages:
     """A rich progress bar over STAGES on stderr; does nothing when disabled."""

@@ -32,5 +32,12 @@ def take(source: Mapping[str, torch.Tensor], key: str, shape: Shape | None = Non
 
 def remap(source: Mapping[str, torch.Tensor], table: Iterable[tuple[str, str, Shape | None]], *,
           where: str = "checkpoint") -> dict[str, torch.Tensor]:
-    """Build a new state dict from `(our_key, their_key, expected_shape)` rows of a mapping table."""
-    return {ours: take(source, theirs, shape, where=where) for ours, theirs, shape in table}
+    """Build a new state dict from `(our_key, their_key, expected_shape)` rows of a mapping table; every row
+    is a weight, so an integer or boolean tensor (a corrupt or mislabelled checkpoint) is refused here."""
+    state = {}
+    for ours, theirs, shape in table:
+        tensor = state[ours] = take(source, theirs, shape, where=where)
+        if not tensor.dtype.is_floating_point:
+            raise CheckpointError(f"{where}: tensor '{theirs}' has dtype {str(tensor.dtype).removeprefix('torch.')}; "
+                                  "a weight must be floating point (float32, float16, bfloat16, or FP8 with scales)")
+    return state

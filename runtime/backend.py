@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import weakref
 from collections.abc import Callable, Mapping
 from functools import cache
@@ -145,8 +146,12 @@ class PersistentInputBuffers:
         self._flat = {}
         for s in specs:
             dtype = numpy_dtype(s.dtype)
-            count = int(np.prod(shape_of(s, bounds)))
-            raw = allocator(count * dtype.itemsize)
+            count = math.prod(shape_of(s, bounds))
+            try:
+                raw = allocator(count * dtype.itemsize)
+            except MemoryError:
+                raise ArtifactError(f"cannot allocate the {count * dtype.itemsize} bytes of step input {s.name!r} "
+                                    "(out of memory); lower the artifact's max batch / tokens per step") from None
             assert raw.dtype == np.uint8 and raw.size == count * dtype.itemsize, "allocator returned a wrong buffer"
             self._flat[s.name] = raw.view(dtype)
             self._flat[s.name][...] = 0
@@ -154,7 +159,7 @@ class PersistentInputBuffers:
     def view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A C-contiguous array of `shape` over the start of `name`'s buffer (no copy, stable address)."""
         flat = self._flat[name]
-        size = int(np.prod(shape))
+        size = math.prod(shape)
         if size > flat.size:
             raise UnispecError(f"step input {name!r} needs shape {shape}, beyond the artifact's bounds "
                                 f"{self.bounds}; the scheduler must keep steps within the manifest's limits")

@@ -38,33 +38,49 @@ import numpy as np
 from runtime import manifest as io
 from runtime.backend import Backend, PersistentInputBuffers, step_bounds
 from runtime.blocks import BlockManager
+from runtime.detokenizer import Detokenize, IncrementalText
 from runtime.errors import InvalidRequestError
 from runtime.noise import RequestNoise, batch_noise
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Plan, Scheduler
 from runtime.sequence import RequestMetrics, RequestOutput, SequenceState, validate_prompt
 from runtime.speculation import SPECULATIVE, TARGET_ONLY, SpeculationPolicy
-from runtime.structured import GrammarCompiler, check_structured_support
+from runtime.structured import GrammarCompiler, RequestGrammar, check_structured_support
 
-__all__ = ["Engine", "Listener", "RequestMetrics", "RequestOutput", "StepTimings", "validate_prompt"]
+__all__ = ["CheckedRequest", "Engine", "Listener", "RequestMetrics", "RequestOutput", "StepTimings",
+           "validate_prompt"]
 
-Detokenize = Callable[[Sequence[int]], str]
-# (request id, tokens committed this step, the output when the request finished) after every change
-Listener = Callable[[Hashable, list[int], RequestOutput | None], None]
+# (request id, tokens committed this step, text a stream may show now, the output when the request
+# finished) after every change; the text is "" unless the request was added with stream=True
+Listener = Callable[[Hashable, list[int], str, RequestOutput | None], None]
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request that `Engine.check_request` accepted: validated and its grammar compiled, once."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int                             # new tokens at most (max_tokens, capped by max_model_len)
+    grammar: RequestGrammar | None           # a fresh matcher of its compiled constraint
 
 
 @dataclass
 class StepTimings:
-    """Wall time of the steps run since the last reset, split where the step graph runs.
+    """Wall and CPU time of the steps run since the last reset, split where the step graph runs.
 
     graph_s is the backend's `run` call (the step graph); host_s is the rest of `Engine.step`: scheduling,
-    filling the feeds, committing the KV deltas and advancing the requests. target_only_* count the steps
-    that ran the target-only graph (adaptive speculation), and their whole time, within those totals.
+    filling the feeds, committing the KV deltas and advancing the requests. The *_cpu_s twins are process
+    CPU time over the same spans: on a shared machine wall time also counts other processes' turns, CPU
+    time does not (with 1 intra-op thread it is the step's own work). target_only_* count the steps that
+    ran the target-only graph (adaptive speculation), and their whole wall time, within those totals.
     """
 
     steps: int = 0
     graph_s: float = 0.0
     host_s: float = 0.0
+    graph_cpu_s: float = 0.0
+    host_cpu_s: float = 0.0
     target_only_steps: int = 0
     target_only_s: float = 0.0
 
@@ -84,8 +100,8 @@ class Engine:
         self.backend, self.k = backend, m.num_speculative_tokens
         self.eos_token_ids, self.detokenize = frozenset(eos_token_ids), detokenize
         self.grammars, self.listener = grammars, listener
-        self.max_model_len = _bounded("max_model_len", max_model_len, m.max_model_len, lower=2)
-        chunk = _bounded("prefill_chunk", prefill_chunk, m.max_tokens_per_step, lower=1)
+        self.max_model_len = bounded("max_model_len", max_model_len, m.max_model_len, lower=2)
+        chunk = bounded("prefill_chunk", prefill_chunk, m.max_tokens_per_step, lower=1)
         self.blocks = BlockManager(backend.num_blocks, m.block_size)
         self.scheduler = Scheduler(self.blocks, k=self.k, max_batch_size=m.max_batch_size,
                                    max_tokens_per_step=m.max_tokens_per_step, prefill_chunk=chunk)
@@ -118,9 +134,9 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------------------
 
-    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> int:
-        """New tokens at most for the request; a one-line InvalidRequestError if it cannot run here."""
-        validate_prompt(prompt, self.manifest, max_model_len=self.max_model_len)
+    def check_request(self, prompt: Sequence[int], params: SamplingParams, where: str = "prompt") -> CheckedRequest:
+        """The request validated and its grammar compiled; a one-line InvalidRequestError if it cannot run here."""
+        validate_prompt(prompt, self.manifest, where, max_model_len=self.max_model_len)
         max_new = min(params.max_tokens, self.max_model_len - len(prompt))
         worst = self.manifest.blocks_per_row(len(prompt) + max_new)
         if worst > self.blocks.num_blocks:
@@ -128,11 +144,11 @@ class Engine:
                                       f"blocks, the pool has {self.blocks.num_blocks}; give the LLM more "
                                       "num_blocks / kv_memory_bytes or lower max_tokens")
         check_structured_support(self.manifest, self.grammars is not None, params)
-        if params.structured:
-            self.grammars.compile(params)        # a bad schema / regex / grammar fails here, before any step
+        # a bad schema / regex / grammar fails here, before any step
+        grammar = self.grammars.matcher(params) if params.structured else None
         if params.relaxed_thinking:
             self._check_thinking_support()
-        return max_new
+        return CheckedRequest([int(t) for t in prompt], params, max_new, grammar)
 
     def _check_thinking_support(self) -> None:
         tok = self.manifest.tokenizer
@@ -144,18 +160,24 @@ class Engine:
                                       "tokens, which this artifact's manifest does not name; leave it False")
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
-                    request_id: Hashable | None = None) -> Hashable:
-        params = params or SamplingParams()
-        max_new = self.check_request(prompt, params)
+                    request_id: Hashable | None = None, *, stream: bool = False) -> Hashable:
+        """Check and queue a request; `stream=True` also hands the listener its text as it becomes final."""
+        return self.add_checked(self.check_request(prompt, params or SamplingParams()), request_id, stream=stream)
+
+    def add_checked(self, request: CheckedRequest, request_id: Hashable | None = None, *,
+                    stream: bool = False) -> Hashable:
+        """Queue a request that `check_request` accepted (so it is not validated again)."""
         request_id = next(self._ids) if request_id is None else request_id
         if self.scheduler.find(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use; give each request its own")
-        tok = self.manifest.tokenizer
+        params, tok = request.params, self.manifest.tokenizer
+        wants_text = self.detokenize is not None and (stream or bool(params.stop_strings))
         seq = SequenceState(
-            request_id, [int(t) for t in prompt], params, max_new, RequestNoise(params.seed),
+            request_id, request.prompt, params, request.max_new, RequestNoise(params.seed),
             stop_ids=params.stop_token_ids | (frozenset() if params.ignore_eos else self.eos_token_ids),
             think_ids=(tok.think_start_id, tok.think_end_id) if params.relaxed_thinking else None,
-            grammar=self.grammars.matcher(params) if params.structured else None)
+            grammar=request.grammar, stream=stream,
+            text=IncrementalText(self.detokenize, params.stop_strings) if wants_text else None)
         self.scheduler.add(seq)
         return request_id
 
@@ -176,7 +198,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step over the scheduled rows; returns the requests that finished in it."""
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         if not self.scheduler.has_unfinished():
             return []
         kind = self.policy.choose(self._next_rows())
@@ -193,10 +215,10 @@ class Engine:
         # (A half-done commit only wrote positions at or past each row's cache length, which nothing reads.)
         try:
             feeds = self._feeds(plan, k, self._names[kind])
-            graph_started = time.perf_counter()
+            graph_started, graph_started_cpu = time.perf_counter(), time.process_time()
             run = self.backend.run if kind == SPECULATIVE or not self.k else self.backend.run_target_only
             outputs = run(feeds)
-            graph_s = time.perf_counter() - graph_started
+            graph_s, graph_cpu_s = time.perf_counter() - graph_started, time.process_time() - graph_started_cpu
             self._commit(feeds, outputs, k)
         except BaseException:
             for stream, checkpoint in noise:
@@ -207,7 +229,9 @@ class Engine:
         step_s = time.perf_counter() - started
         self.policy.record(kind, list(plan), step_s, all_decode, verified)
         t = self.timings
-        t.steps, t.graph_s, t.host_s = t.steps + 1, t.graph_s + graph_s, t.host_s + step_s - graph_s
+        t.steps, t.graph_s, t.graph_cpu_s = t.steps + 1, t.graph_s + graph_s, t.graph_cpu_s + graph_cpu_s
+        t.host_s += step_s - graph_s
+        t.host_cpu_s += time.process_time() - started_cpu - graph_cpu_s
         if kind == TARGET_ONLY:
             t.target_only_steps, t.target_only_s = t.target_only_steps + 1, t.target_only_s + step_s
         return finished
@@ -325,7 +349,8 @@ class Engine:
             if seq.finish_reason is not None:
                 finished.append(self._finish(seq, added))
             elif self.listener is not None:
-                self.listener(seq.request_id, added, None)
+                text = seq.text.take_visible() if seq.stream and seq.text is not None else ""
+                self.listener(seq.request_id, added, text, None)
         return finished, verified
 
     # --- stopping -----------------------------------------------------------------------------------------
@@ -340,22 +365,13 @@ class Engine:
             if token in seq.stop_ids or (seq.grammar is not None and seq.grammar.terminated):
                 seq.finish_reason = "stop"
                 seq.stopped_by_token = token in seq.stop_ids or token in self.eos_token_ids
-            elif self._hit_stop_string(seq):
-                seq.finish_reason = "stop"
+            elif seq.text is not None and seq.text.add(token):
+                seq.finish_reason, seq.stop_at = "stop", seq.text.stop_at
             elif len(seq.generated) >= seq.max_new:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 return new[:i + 1]
         return new
-
-    def _hit_stop_string(self, seq: SequenceState) -> bool:
-        if not seq.params.stop_strings or self.detokenize is None:
-            return False
-        text = self.detokenize(seq.generated)
-        hits = [text.find(s) for s in seq.params.stop_strings if s in text]
-        if hits:
-            seq.stop_at = min(hits)
-        return bool(hits)
 
     def _finish(self, seq: SequenceState, added: list[int]) -> RequestOutput:
         self.scheduler.remove(seq)
@@ -363,7 +379,7 @@ class Engine:
                                token_ids=list(seq.generated), text=self.text_of(seq),
                                finish_reason=seq.finish_reason or "length", metrics=seq.metrics(self.k))
         if self.listener is not None:
-            self.listener(seq.request_id, added, output)
+            self.listener(seq.request_id, added, "", output)
         return output
 
     def text_of(self, seq: SequenceState) -> str:
@@ -375,7 +391,8 @@ class Engine:
         return self.detokenize(seq.generated[:-1] if seq.stopped_by_token else seq.generated)
 
 
-def _bounded(name: str, value: int | None, upper: int, *, lower: int) -> int:
+def bounded(name: str, value: int | None, upper: int, *, lower: int) -> int:
+    """A setting that may lower one of the artifact's limits: None (the limit itself) or an int in range."""
     if value is None:
         return upper
     if isinstance(value, bool) or not isinstance(value, int) or not lower <= value <= upper:

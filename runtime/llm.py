@@ -19,15 +19,18 @@ requests; the others carry on with the next step.
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from threading import RLock
 from typing import Any
 
+from runtime.artifact_check import check_artifact, check_step_memory
 from runtime.backends import load_backend
 from runtime.blocks import num_blocks_for_budget
-from runtime.engine import Engine, RequestOutput
+from runtime.engine import Engine, RequestOutput, bounded
 from runtime.errors import ArtifactError, InvalidRequestError, UnispecError
 from runtime.manifest import Manifest
 from runtime.sampling_params import SamplingParams
@@ -38,6 +41,7 @@ from runtime.tokenizer import TOKENIZER_FILE, TextTokenizer
 __all__ = ["DEFAULT_KV_MEMORY_BYTES", "LLM", "Stream"]
 
 DEFAULT_KV_MEMORY_BYTES = 256 * 2**20
+MAX_NUM_BLOCKS = 2**31 - 1               # block ids stay int32 for kernels that index pools with them
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 Params = SamplingParams | Sequence[SamplingParams] | None
@@ -48,28 +52,30 @@ class _Tracker:
     """What a caller has received of one request so far (filled by the engine's listener)."""
 
     token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)      # a stream's text deltas, final as they arrive
     output: RequestOutput | None = None
 
 
 class LLM:
     def __init__(self, artifact_dir: str | Path, backend: str = "ort", *, num_blocks: int | None = None,
                  kv_memory_bytes: int | None = None, max_model_len: int | None = None,
-                 prefill_chunk: int | None = None, speculation: str = "auto", **backend_options: Any) -> None:
+                 prefill_chunk: int | None = None, step_memory_bytes: int | None = None,
+                 speculation: str = "auto", **backend_options: Any) -> None:
         """`num_blocks` sizes the KV pools directly; otherwise `kv_memory_bytes` (default 256 MiB) does,
         counting target and draft pools, capped at what a full batch of max_model_len requests can use.
-        `max_model_len` may lower the artifact's; `prefill_chunk` caps the tokens a prompt feeds per step.
+        `max_model_len` may lower the artifact's; `prefill_chunk` caps the tokens a prompt feeds per step;
+        `step_memory_bytes` (default 8 GiB) bounds the persistent step buffers the artifact's sizes ask for.
         `speculation`: "auto" runs each step speculatively or target-only, whichever its measurements say
-        is faster (artifacts with a target-only graph); "always" / "never" force one (runtime/speculation.py)."""
+        is faster (artifacts with a target-only graph); "always" / "never" force one (runtime/speculation.py).
+        The artifact and every setting are checked before anything is allocated (runtime/artifact_check.py)."""
         self.artifact_dir = Path(artifact_dir)
         if not self.artifact_dir.is_dir():
             raise ArtifactError(f"{artifact_dir}: no such directory; pass an artifact written by `unispec export`")
         self.manifest = m = Manifest.load(self.artifact_dir)
-        if num_blocks is None:
-            budget = DEFAULT_KV_MEMORY_BYTES if kv_memory_bytes is None else kv_memory_bytes
-            num_blocks = num_blocks_for_budget(m, budget, max_model_len)
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise InvalidRequestError(f"num_blocks={num_blocks!r} is invalid; use an int >= 1")
-        self.num_blocks = num_blocks
+        check_artifact(self.artifact_dir, m)
+        check_step_memory(m, _setting("step_memory_bytes", step_memory_bytes))
+        bounded("max_model_len", max_model_len, m.max_model_len, lower=2)
+        self.num_blocks = num_blocks = _pool_blocks(m, num_blocks, kv_memory_bytes, max_model_len)
         self.tokenizer = TextTokenizer.from_dir(self.artifact_dir)
         self.backend = load_backend(backend, self.artifact_dir, m, num_blocks=num_blocks, **backend_options)
         grammars = None if self.tokenizer is None else \
@@ -80,34 +86,40 @@ class LLM:
                              listener=self._on_update, speculation=speculation)
         self._lock = RLock()
         self._trackers: dict[Hashable, _Tracker] = {}
+        # ids of streams collected unread: cancelled by the next caller under the lock (a finalizer may run
+        # in the middle of a step, where cancelling is not safe)
+        self._abandoned: deque[Hashable] = deque()
 
     # --- prompts ------------------------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt, where: str = "prompt") -> list[int]:
         """A prompt as token ids: text through the tokenizer, chats through its template, ids as given."""
+        ids = self._token_ids(prompt, where)
+        validate_prompt(ids, self.manifest, where, self.engine.max_model_len)
+        return ids
+
+    def _token_ids(self, prompt: Prompt, where: str) -> list[int]:
         if isinstance(prompt, str) or _is_chat(prompt):
             if self.tokenizer is None:
                 raise InvalidRequestError(f"{where} is text but this artifact has no {TOKENIZER_FILE}; "
                                           "pass token ids instead")
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.tokenizer.encode_chat(prompt)
-        elif isinstance(prompt, Sequence):
-            ids = list(prompt)
-        else:
-            raise InvalidRequestError(f"{where} is a {type(prompt).__name__}; pass a string, a list of token ids "
-                                      "or a list of chat messages")
-        validate_prompt(ids, self.manifest, where, self.engine.max_model_len)
-        return ids
+            return self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.tokenizer.encode_chat(prompt)
+        if isinstance(prompt, Sequence):
+            return list(prompt)
+        raise InvalidRequestError(f"{where} is a {type(prompt).__name__}; pass a string, a list of token ids "
+                                  "or a list of chat messages")
 
-    def _submit(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[Hashable]:
-        """Check every request, then queue them all (nothing is queued when one is bad)."""
-        encoded = [self.encode(p, f"prompt {i}") for i, p in enumerate(prompts)]
+    def _submit(self, prompts: list[Prompt], params: list[SamplingParams], *, stream: bool = False) -> list[Hashable]:
+        """Check every request (once), then queue them all (nothing is queued when one is bad)."""
+        encoded = [self._token_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         with self._lock:
-            for ids, sp in zip(encoded, params):
-                self.engine.check_request(ids, sp)
+            self._reap()
+            checked = [self.engine.check_request(ids, sp, f"prompt {i}")
+                       for i, (ids, sp) in enumerate(zip(encoded, params))]
             request_ids = []
             try:
-                for ids, sp in zip(encoded, params):
-                    request_ids.append(self.engine.add_request(ids, sp))
+                for request in checked:
+                    request_ids.append(self.engine.add_checked(request, stream=stream))
                     self._trackers[request_ids[-1]] = _Tracker()
             except BaseException:
                 self._cancel(request_ids)
@@ -134,7 +146,7 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Stream:
         """Submit one request now; iterate the result for text deltas (token-id lists without a tokenizer)."""
         params = params or SamplingParams()
-        (request_id,) = self._submit([prompt], [params])
+        (request_id,) = self._submit([prompt], [params], stream=self.tokenizer is not None)
         return Stream(self, request_id, self._trackers[request_id], params)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
@@ -145,10 +157,12 @@ class LLM:
 
     # --- the shared engine ----------------------------------------------------------------------------------
 
-    def _on_update(self, request_id: Hashable, token_ids: list[int], output: RequestOutput | None) -> None:
+    def _on_update(self, request_id: Hashable, token_ids: list[int], text: str, output: RequestOutput | None) -> None:
         tracker = self._trackers.get(request_id)
         if tracker is not None:
             tracker.token_ids.extend(token_ids)
+            if text:
+                tracker.text.append(text)
             if output is not None:
                 tracker.output = output
 
@@ -156,6 +170,7 @@ class LLM:
         """Run steps (for everyone's requests) until `done()` holds."""
         while True:
             with self._lock:
+                self._reap()
                 if done():
                     return
                 steps = self.engine.num_steps
@@ -163,6 +178,11 @@ class LLM:
                 if self.engine.num_steps == steps and not done():
                     raise UnispecError("the engine scheduled nothing while requests wait; this is a bug, "
                                        "please report it with the LLM's settings")
+
+    def _reap(self) -> None:
+        """Cancel the streams collected unread (with the lock held): they must stop using steps and blocks."""
+        while self._abandoned:
+            self._cancel([self._abandoned.popleft()])
 
     def _cancel(self, request_ids: Sequence[Hashable]) -> None:
         with self._lock:
@@ -174,12 +194,14 @@ class LLM:
 class Stream:
     """One streamed request. Iterate once for deltas; `output` holds the RequestOutput once finished.
 
-    Leaving the iteration early (break, an exception, `cancel()`) cancels the request and frees its blocks.
+    Leaving the iteration early (break, an exception, `cancel()` / `close()`) cancels the request and frees
+    its blocks; so does dropping a stream that was never iterated (when it is garbage collected).
     """
 
     def __init__(self, llm: LLM, request_id: Hashable, tracker: _Tracker, params: SamplingParams) -> None:
         self.request_id = request_id
         self._llm, self._tracker, self._params = llm, tracker, params
+        self._collected = weakref.finalize(self, llm._abandoned.append, request_id)
 
     @property
     def output(self) -> RequestOutput | None:
@@ -187,37 +209,44 @@ class Stream:
 
     def cancel(self) -> None:
         """Stop the request now (its output, finish_reason "cancelled", keeps what was generated)."""
+        self._collected.detach()
         self._llm._cancel([self.request_id])
+
+    close = cancel
 
     def __iter__(self) -> Iterator[str] | Iterator[list[int]]:
         tracker, as_text = self._tracker, self._llm.tokenizer is not None
-        sent_tokens, sent_text = 0, ""
+        sent_tokens, sent_texts, sent_text = 0, 0, ""
         try:
             while True:
                 seen = len(tracker.token_ids)
                 self._llm._drive(lambda seen=seen: tracker.output is not None or len(tracker.token_ids) > seen)
-                if not as_text and len(tracker.token_ids) > sent_tokens:
-                    yield tracker.token_ids[sent_tokens:]
-                    sent_tokens = len(tracker.token_ids)
-                text = self._visible_text() if as_text else ""
-                if text.startswith(sent_text) and len(text) > len(sent_text):
-                    yield text[len(sent_text):]
-                    sent_text = text
-                if tracker.output is not None:
+                # Other threads' steps advance this request outside our lock: read "finished" before the
+                # tokens and text, and count what was read rather than what is there later, so nothing is skipped.
+                finished = tracker.output is not None
+                new_tokens = [] if as_text else tracker.token_ids[sent_tokens:]
+                if new_tokens:
+                    sent_tokens += len(new_tokens)
+                    yield new_tokens
+                texts = self._new_text(sent_texts)
+                sent_texts += len(texts)
+                delta = "".join(texts)
+                if finished:
+                    final = tracker.output.text
+                    delta = final[len(sent_text):] if final.startswith(sent_text) else ""
+                if as_text and delta:
+                    yield delta
+                    sent_text += delta
+                if finished:
                     return
         finally:
             self.cancel()                        # a no-op once finished; also forgets the tracker
 
-    def _visible_text(self) -> str:
-        """The text that can no longer change: the final text, or all but a possibly growing tail."""
-        tracker = self._tracker
-        if tracker.output is not None:
-            return tracker.output.text
-        text = self._llm.tokenizer.decode(tracker.token_ids).rstrip("\ufffd")   # half a UTF-8 character
-        for stop in self._params.stop_strings:
-            held = next((j for j in range(len(stop) - 1, 0, -1) if text.endswith(stop[:j])), 0)
-            text = text[:len(text) - held]     # might become a stop string, which is cut from the output
-        return text
+    def _new_text(self, sent: int) -> list[str]:
+        """The text deltas handed over since the first `sent`: the engine hands over only text that can no
+        longer change (runtime/detokenizer.py); the final text may add what was held back, or cut a tail
+        that turned into a stop string."""
+        return self._tracker.text[sent:]
 
 
 def _is_chat(prompt: object) -> bool:
@@ -246,3 +275,19 @@ def _params_for(params: Params, n: int) -> list[SamplingParams]:
         raise InvalidRequestError(f"params must be one SamplingParams or one per prompt ({n}); got "
                                   f"{len(params)} items")
     return params
+
+
+def _setting(name: str, value: int | None) -> int | None:
+    """A byte budget: None (the default) or an int >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidRequestError(f"{name}={value!r} is invalid; use an int >= 1 (bytes)")
+    return value
+
+
+def _pool_blocks(m: Manifest, num_blocks: int | None, kv_memory_bytes: int | None, max_model_len: int | None) -> int:
+    if num_blocks is None:
+        budget = _setting("kv_memory_bytes", kv_memory_bytes)
+        num_blocks = num_blocks_for_budget(m, DEFAULT_KV_MEMORY_BYTES if budget is None else budget, max_model_len)
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 1 <= num_blocks <= MAX_NUM_BLOCKS:
+        raise InvalidRequestError(f"num_blocks={num_blocks!r} is invalid; use an int in [1, {MAX_NUM_BLOCKS}]")
+    return num_blocks

@@ -16,6 +16,24 @@ import numpy as np
 
 from runtime.errors import ArtifactError
 
+# the bounds live in runtime/limits.py; named here too, as export and engines read only this module of ours
+from runtime.limits import (  # noqa: F401
+    BLOCK_DRAFT_METHODS,
+    FLOAT_DTYPES,
+    MAX_BATCH_SIZE,
+    MAX_BLOCK_DRAFT_TOKENS,
+    MAX_BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    MAX_SPECULATIVE_TOKENS,
+    MAX_TOKENS_PER_STEP,
+    SIZES,
+    check_layout,
+    is_int,
+    max_speculative_tokens,
+    plain_name,
+    require,
+)
+
 # --- inputs -------------------------------------------------------------------------------------------
 TOKENS = "tokens"                        # int64 [S]
 ROW_OFFSETS = "row_offsets"              # int64 [B+1]
@@ -159,6 +177,7 @@ class Manifest:
         missing = [p.name for p in self.pools if p.name not in names]
         if missing:
             raise ArtifactError(f"manifest: pools {missing} are not graph inputs; the artifact is damaged, re-export it")
+        check_fields(self)
 
     def blocks_per_row(self, context_len: int | None = None) -> int:
         """Block-table width of a row with `context_len` tokens (default max_model_len), its step reach included."""
@@ -185,6 +204,7 @@ class Manifest:
             if unknown:
                 raise ArtifactError(f"manifest: unknown fields {unknown}; the artifact was written by a newer "
                                     "unispec, upgrade or re-export")
+            check_layout(d)
             d = dict(d)
             d["pools"] = tuple(PoolSpec(**p) for p in d["pools"])
             d["inputs"], d["outputs"] = _tensor_specs(d["inputs"]), _tensor_specs(d["outputs"])
@@ -197,7 +217,7 @@ class Manifest:
             tok["files"], tok["eos_token_ids"] = tuple(tok.get("files", ())), tuple(tok.get("eos_token_ids", ()))
             d["tokenizer"] = TokenizerInfo(**tok)
             return cls(**d)
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ArtifactError(f"manifest: missing or malformed field ({exc}); the artifact is damaged, "
                                 "re-export it") from None
 
@@ -308,3 +328,74 @@ def write_committed(pool: Any, delta: Any, slots: Any, rows: Any, block_size: in
     tensors alike; `delta` already in the pool's dtype). pool [num_blocks, L, bs, W], delta [N', L, W]."""
     # advanced indices around a slice: the indexed view is [N, L, W], as delta[rows] is
     pool[slots // block_size, :, slots % block_size] = delta[rows]
+
+
+# --- field checks ----------------------------------------------------------------------------------------------
+# Types and bounds of every field (runtime/limits.py), checked when a manifest is built or loaded.
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a manifest dtype."""
+    return _DTYPE_BYTES[dtype]
+
+
+def check_fields(m: Manifest) -> None:
+    """Every field has its type and lies within its bounds; a one-line ArtifactError naming the field."""
+    for name in ("method", "target_arch"):
+        require(name, getattr(m, name), isinstance(getattr(m, name), str), "a string")
+    require("draft_arch", m.draft_arch, m.draft_arch is None or isinstance(m.draft_arch, str), "a string or null")
+    require("dtype", m.dtype, m.dtype in FLOAT_DTYPES, f"one of {', '.join(FLOAT_DTYPES)}")
+    require("structured_output", m.structured_output, isinstance(m.structured_output, bool), "true or false")
+    k_limit = max_speculative_tokens(m.method)
+    for name, (lowest, highest) in (*SIZES.items(), ("num_speculative_tokens", (0, k_limit))):
+        value = getattr(m, name)
+        require(name, value, is_int(value) and lowest <= value <= highest, f"an int in [{lowest}, {highest}]")
+    for i, pool in enumerate(m.pools):
+        _check_pool(f"pools[{i}]", pool)
+    for kind, specs in (("inputs", m.inputs), ("outputs", m.outputs)):
+        for spec in specs:
+            dims_ok = isinstance(spec.shape, tuple) and all(
+                (is_int(d) and d >= 0) or (isinstance(d, str) and d.strip()) for d in spec.shape)
+            require(f"{kind}[{spec.name!r}].shape", spec.shape, isinstance(spec.name, str) and dims_ok,
+                    "a list of dims, each an int >= 0 or a dim name")
+    _check_files(m)
+    _check_token_ids(m)
+
+
+def _check_pool(where: str, pool: PoolSpec) -> None:
+    require(f"{where}.name", pool.name, pool.name in DELTA_OF_POOL, f"one of {', '.join(DELTA_OF_POOL)}")
+    require(f"{where}.delta", pool.delta, pool.delta == DELTA_OF_POOL[pool.name], repr(DELTA_OF_POOL[pool.name]))
+    for name in ("num_layers", "width"):
+        value = getattr(pool, name)
+        require(f"{where}.{name}", value, is_int(value) and value >= 1, "an int >= 1")
+    require(f"{where}.dtype", pool.dtype, pool.dtype in FLOAT_DTYPES, f"one of {', '.join(FLOAT_DTYPES)}")
+
+
+def artifact_files(m: Manifest) -> tuple[str, ...]:
+    """Every file the manifest names, manifest.json first (plain names inside the artifact directory)."""
+    return tuple(dict.fromkeys([MANIFEST_NAME, *(name for _, name in _named_files(m) if name is not None)]))
+
+
+def _named_files(m: Manifest) -> list[tuple[str, object]]:
+    engine = m.engine if isinstance(m.engine, dict) else {}
+    return [("model_file", m.model_file), ("weights_file", m.weights_file), ("ort_model_file", m.ort_model_file),
+            *((f"tokenizer.files[{i}]", name) for i, name in enumerate(m.tokenizer.files)),
+            ("engine.plan", engine.get("plan")), ("engine.settings", engine.get("settings"))]
+
+
+def _check_files(m: Manifest) -> None:
+    """Artifacts are flat directories: a named file is a plain name, so it cannot point outside one."""
+    require("engine", m.engine, m.engine is None or isinstance(m.engine, dict), "an object or null")
+    require("tokenizer.files", m.tokenizer.files, isinstance(m.tokenizer.files, tuple), "a list of file names")
+    for field_name, name in _named_files(m):
+        require(field_name, name, (name is None and field_name != "model_file") or plain_name(name),
+                "a plain file name inside the artifact directory (no directory part, not absolute)")
+
+
+def _check_token_ids(m: Manifest) -> None:
+    tok = m.tokenizer
+    ids = [("bos_token_id", tok.bos_token_id), ("think_start_id", tok.think_start_id),
+           ("think_end_id", tok.think_end_id)]
+    ids += [("eos_token_ids", t) for t in tok.eos_token_ids]
+    for name, value in ids:
+        require(f"tokenizer.{name}", value, value is None or (is_int(value) and 0 <= value < m.vocab_size),
+                f"a token id in [0, {m.vocab_size})")

@@ -26,6 +26,13 @@ from runtime.errors import InvalidRequestError
 __all__ = ["InvalidRequestError", "SamplingParams"]
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "grammar")
+# Bounds on what a request may ask for (README "Limits"). The graph takes temperature as float32 and top_k
+# as int64; seeds name a 64-bit stream, so larger ones would wrap onto smaller ones' streams.
+MAX_TEMPERATURE = 3.4028234663852886e38      # float32's largest finite value
+MAX_TOP_K = 2**31 - 1
+SEED_LIMIT = 2**64
+MAX_STOP = 64                            # stop entries (strings and token ids)
+MAX_STOP_CHARS = 1024                    # characters of one stop string
 
 
 def _is_int(value: object) -> bool:
@@ -92,16 +99,19 @@ class SamplingParams:
                                       f"{', '.join(GRAMMAR_FIELDS)}")
 
     def _checks(self) -> list[tuple[str, bool, str]]:
-        stop_ok = isinstance(self.stop, tuple) and all(
-            (isinstance(s, str) and s != "") or (_is_int(s) and s >= 0) for s in self.stop)
+        stop_ok = isinstance(self.stop, tuple) and len(self.stop) <= MAX_STOP and all(
+            (isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS) or (_is_int(s) and s >= 0) for s in self.stop)
         return [
             ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1"),
-            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a finite float >= 0"),
-            ("top_k", _is_int(self.top_k) and self.top_k >= 0, "an int >= 0 (0 = off)"),
+            ("temperature", _is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+             f"a finite float >= 0 and <= {MAX_TEMPERATURE:.4g} (the graph takes it as float32)"),
+            ("top_k", _is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K, f"an int >= 0 and <= {MAX_TOP_K} (0 = off)"),
             ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a float in (0, 1] (1 = off)"),
             ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "a float in [0, 1] (0 = off)"),
-            ("seed", self.seed is None or _is_int(self.seed), "an int or None"),
-            ("stop", stop_ok, "non-empty strings and/or token ids >= 0"),
+            ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT),
+             "an int or None; ints in [0, 2**64), each its own noise stream"),
+            ("stop", stop_ok, f"non-empty strings of at most {MAX_STOP_CHARS} characters and/or token ids >= 0, "
+                              f"at most {MAX_STOP} of them"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
             ("json_schema", _schema_ok(self.json_schema), "a JSON schema object: a dict or its JSON text"),
             ("regex", self.regex is None or (isinstance(self.regex, str) and self.regex != ""),

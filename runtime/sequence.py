@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime import manifest as io
+from runtime.detokenizer import IncrementalText
 from runtime.errors import InvalidRequestError
 from runtime.noise import RequestNoise
 from runtime.sampling_params import SamplingParams
@@ -102,6 +103,8 @@ class SequenceState:
     stop_ids: frozenset[int] = frozenset()       # token ids that end the request
     think_ids: tuple[int, int] | None = None     # (start, end) when relaxed thinking is on
     grammar: RequestGrammar | None = None
+    stream: bool = False                         # the listener gets the text as it becomes final
+    text: IncrementalText | None = None          # with stop strings or a stream (and a tokenizer)
     generated: list[int] = field(default_factory=list)
     cache_len: int = 0                           # tokens committed to the pools
     draft_len: int = 0                           # of those, the ones with draft KV (adaptive speculation)

@@ -104,8 +104,16 @@ class GrammarCompiler:
                                       f"{kind.replace('_', ' ')}") from None
 
     def matcher(self, params: SamplingParams) -> RequestGrammar:
-        return RequestGrammar(_xgrammar().GrammarMatcher(
+        """A fresh matcher of the request's constraint (compiled here); InvalidRequestError when the
+        constraint does not compile or allows no output at all."""
+        grammar = RequestGrammar(_xgrammar().GrammarMatcher(
             self.compile(params), terminate_without_stop_token=not self.stop_token_ids))
+        if not grammar.can_start(self.vocab_size):
+            kind = params.structured[0]
+            raise InvalidRequestError(f"SamplingParams.{kind} matches no output: it allows no first token (a rule "
+                                      "such as `root ::= root` never produces text); fix the "
+                                      f"{kind.replace('_', ' ')}")
+        return grammar
 
 
 class RequestGrammar:
@@ -117,6 +125,12 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
+
+    def can_start(self, vocab_size: int) -> bool:
+        """Whether any token is allowed now (or the grammar has already ended)."""
+        row = np.zeros((1, -(-vocab_size // 32)), dtype=np.int32)
+        self._matcher.fill_next_token_bitmask(row, 0)
+        return bool(row.any()) or self.terminated
 
     def accept(self, token: int) -> bool:
         """Advance by one committed token; False when the grammar does not allow it."""

@@ -30,7 +30,7 @@ def test_wheel_holds_exactly_the_packages(wheel: Path) -> None:
     assert not any(n.startswith("tests/") for n in names)
     metadata = next(n for n in names if n.endswith("METADATA"))
     text = zipfile.ZipFile(wheel).read(metadata).decode()
-    for extra in ("trt", "gpu", "dev", "bench"):
+    for extra in ("trt", "trt-rtx", "gpu", "dev", "bench", "serve"):
         assert f"Provides-Extra: {extra}" in text
 
 

@@ -2,8 +2,10 @@
 
 For every (batch size, temperature) cell, every engine gets the same prompt token ids (encoded once by
 the artifact's tokenizer), the same number of new tokens and the same intra-op thread count; each runs
-one untimed warm-up pass, then `repeats` timed passes (pass r takes the prompts after pass r - 1's, cycling),
-and the report keeps every pass and their medians:
+one untimed warm-up pass, then `repeats` timed passes (pass r takes the prompts after pass r - 1's, cycling;
+16 by default, so batch 1 covers 16 prompts). Interleaved (the default), repeat r runs every engine in turn
+before repeat r + 1, and speedups are medians of per-repeat ratios; `--sequential` runs each engine's passes
+back to back and divides medians. The report keeps every pass and their medians:
 
   unispec <method>          the artifact through runtime.LLM (ignore_eos, so every request makes max_tokens)
   unispec none              --baseline: the target-only artifact of the same target, same backend
@@ -13,8 +15,11 @@ and the report keeps every pass and their medians:
   onnxruntime-genai         /   row saying why, never a crash and never a number
 
   tokens/s = generated tokens / wall time of the pass (prefill included, as for every peer)
-  speedup  = the artifact's median tokens/s / this row's, in the same cell
-  step ms  = graph (the backend's run) + host (the rest of Engine.step), per step (runtime.engine.StepTimings)
+  cpu      = process CPU time of the pass (measured here, for every engine alike): on a shared machine
+             wall time also counts other processes' turns, CPU time (with 1 intra-op thread) does not
+  speedup  = the artifact's tokens/s / this row's, in the same cell (cpu speedup: tokens per CPU second)
+  step ms  = graph (the backend's run) + host (the rest of Engine.step), per step, wall and CPU
+             (runtime.engine.StepTimings)
   mode mix = the share of the artifact's steps that ran its target-only graph (adaptive speculation,
              --speculation auto; always / never force one graph)
   expected = accepted length x the baseline's ms per step / the artifact's speculative ms per step: what
@@ -29,7 +34,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +68,8 @@ class Row:
     temperature: float
     passes: list[Pass] = field(default_factory=list)
     why: str | None = None
-    speedup: float | None = None             # the artifact's median tokens/s / this row's (same cell)
+    speedup: float | None = None             # the artifact's tokens/s / this row's (same cell)
+    cpu_speedup: float | None = None         # the same in tokens per CPU second
     expected_speedup: float | None = None    # the artifact's row: accepted length x baseline / speculative step ms
 
     @property
@@ -83,8 +89,8 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         return {"engine": self.engine, "batch_size": self.batch_size, "temperature": self.temperature,
-                "why": self.why, "speedup": self.speedup, "expected_speedup": self.expected_speedup,
-                "median": self.median,
+                "why": self.why, "speedup": self.speedup, "cpu_speedup": self.cpu_speedup,
+                "expected_speedup": self.expected_speedup, "median": self.median,
                 "runs": [p.figures() for p in self.passes]}
 
 
@@ -130,7 +136,8 @@ class UnispecRunner:
         accepted = [a for o in outputs for a in o.metrics.accepted_per_step]     # every decode step, every row
         mean_length, per_position = acceptance_summary(accepted, self.manifest.num_speculative_tokens)
         return Pass(wall_s=wall, tokens=sum(len(o.token_ids) for o in outputs), steps=t.steps, graph_s=t.graph_s,
-                    host_s=t.host_s, mean_accepted_length=mean_length, acceptance_per_position=per_position,
+                    host_s=t.host_s, graph_cpu_s=t.graph_cpu_s, host_cpu_s=t.host_cpu_s,
+                    mean_accepted_length=mean_length, acceptance_per_position=per_position,
                     target_only_steps=t.target_only_steps, target_only_s=t.target_only_s)
 
     def close(self) -> None:
@@ -140,16 +147,44 @@ class UnispecRunner:
 def measure(runner: Runner, batches: list[list[list[int]]], temperature: float, max_tokens: int) -> Row:
     """A warm-up pass on batches[0], then one timed pass per batch. A peer that fails becomes a row saying why."""
     row = Row(runner.name, len(batches[0]), temperature)
+    if _timed(row, runner, batches[0], temperature, max_tokens, warm_up=True):
+        for batch in batches:
+            if not _timed(row, runner, batch, temperature, max_tokens):
+                break
+    return row
+
+
+def measure_interleaved(runners: Sequence[Runner], batches: list[list[list[int]]], temperature: float,
+                        max_tokens: int) -> list[Row]:
+    """Every engine warms up, then repeat r runs batch r through every engine in turn, so each repeat's
+    engines share the machine's state of that moment (a shared machine's load swings 2-30x between runs)
+    and per-repeat ratios cancel most of it. An engine that fails drops out with its reason."""
+    rows = [Row(r.name, len(batches[0]), temperature) for r in runners]
+    live = [i for i, (row, runner) in enumerate(zip(rows, runners))
+            if _timed(row, runner, batches[0], temperature, max_tokens, warm_up=True)]
+    for batch in batches:
+        live = [i for i in live if _timed(rows[i], runners[i], batch, temperature, max_tokens)]
+    return rows
+
+
+def _timed(row: Row, runner: Runner, batch: list[list[int]], temperature: float, max_tokens: int, *,
+           warm_up: bool = False) -> bool:
+    """One pass of `runner` into `row` (kept unless a warm-up), its process CPU time measured here for every
+    engine alike; False when the engine cannot run (the row then says why and loses its passes)."""
     try:
-        runner.run(batches[0], temperature, max_tokens)
-        row.passes = [runner.run(batch, temperature, max_tokens) for batch in batches]
+        started = time.process_time()
+        done = runner.run(batch, temperature, max_tokens)
+        if not warm_up:
+            row.passes.append(replace(done, cpu_s=time.process_time() - started))
+        return True
     except PeerUnavailable as exc:
         row.why = str(exc)
     except Exception as exc:
         if isinstance(runner, UnispecRunner):
             raise                                # our own engines fail the command (in one line if ours)
         row.why = f"{type(exc).__name__}: {first_line(str(exc))}"   # a peer library's failure: carry on
-    return row
+    row.passes = []
+    return False
 
 
 # --- prompts -------------------------------------------------------------------------------------------------
@@ -246,11 +281,13 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda _: N
             for size in config.batch_sizes:
                 batches = batches_of(prompts, size, config.repeats)
                 for temperature in config.temperatures:
-                    cell = []
-                    for runner in runners:
-                        progress(f"{runner.name}: batch {size}, temperature {temperature:g}")
-                        cell.append(measure(runner, batches, temperature, config.max_tokens))
-                    _add_speedups(cell, runners[1].name if config.baseline is not None else None)
+                    progress(f"batch {size}, temperature {temperature:g}")
+                    if config.interleave:
+                        cell = measure_interleaved(runners, batches, temperature, config.max_tokens)
+                    else:
+                        cell = [measure(runner, batches, temperature, config.max_tokens) for runner in runners]
+                    _add_speedups(cell, paired=config.interleave,
+                                  baseline=runners[1].name if config.baseline is not None else None)
                     rows += cell
         finally:
             for runner in runners:
@@ -259,15 +296,25 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda _: N
                        machine=machine_info(config.threads), notes=peer_notes + notes)
 
 
-def _add_speedups(cell: list[Row], baseline: str | None = None) -> None:
-    """cell[0] is the artifact: every row that ran gets the artifact's median tokens/s over its own; the
-    artifact's row, its expected speedup over the `baseline` engine's row."""
-    ours = cell[0].median.get("tokens_per_s")
-    for row in cell:
-        theirs = row.median.get("tokens_per_s")
-        if ours and theirs:
-            row.speedup = ours / theirs
+def _add_speedups(cell: list[Row], *, paired: bool = False, baseline: str | None = None) -> None:
+    """cell[0] is the artifact: every row that ran gets the artifact's speedup over it, in wall tokens/s and in
+    tokens per CPU second. Paired (interleaved) passes give the median of per-repeat ratios; otherwise the
+    ratio of the medians. The artifact's row also gets its expected speedup over the `baseline` engine's row."""
+    ours = cell[0]
+    for row in (r for r in cell if r.passes and ours.passes):
+        row.speedup = _ratio(ours.passes, row.passes, "tokens_per_s", paired)
+        row.cpu_speedup = _ratio(ours.passes, row.passes, "tokens_per_cpu_s", paired)
     base = next((r for r in cell[1:] if r.engine == baseline and r.passes), None)
-    m = cell[0].median
+    m = ours.median
     if base is not None and m.get("spec_ms_per_step") and base.median.get("step_ms"):
-        cell[0].expected_speedup = m["mean_accepted_length"] * base.median["step_ms"] / m["spec_ms_per_step"]
+        ours.expected_speedup = m["mean_accepted_length"] * base.median["step_ms"] / m["spec_ms_per_step"]
+
+
+def _ratio(ours: list[Pass], theirs: list[Pass], figure: str, paired: bool) -> float | None:
+    if paired:
+        ratios = [a / b for a, b in ((getattr(p, figure), getattr(q, figure)) for p, q in zip(ours, theirs))
+                  if a and b]
+        return statistics.median(ratios) if ratios else None
+    a = statistics.median(getattr(p, figure) or 0.0 for p in ours)
+    b = statistics.median(getattr(q, figure) or 0.0 for q in theirs)
+    return a / b if a and b else None

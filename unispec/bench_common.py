@@ -32,7 +32,8 @@ class BenchConfig:
     temperatures: tuple[float, ...] = (0.0, 0.7)
     top_p: float = 1.0                       # unispec's sampled rows (peers sample without top-p)
     speculation: str = "auto"                # the artifact's engine: auto | always | never (runtime/speculation.py)
-    repeats: int = 3
+    repeats: int = 16                        # timed passes; pass r takes the prompts after pass r - 1's
+    interleave: bool = True                  # engines alternate within each repeat (ratios per repeat)
     max_tokens: int = 64
     threads: int | None = None               # intra-op threads of every engine; None: all cores
     backend: str = "ort"
@@ -70,9 +71,12 @@ class Pass:
 
     wall_s: float
     tokens: int                              # generated tokens, all rows
+    cpu_s: float | None = None               # process CPU time of the pass (every engine, measured by bench)
     steps: int | None = None                 # unispec only: engine steps and their split
     graph_s: float | None = None
     host_s: float | None = None
+    graph_cpu_s: float | None = None
+    host_cpu_s: float | None = None
     mean_accepted_length: float | None = None
     acceptance_per_position: tuple[float, ...] = ()
     target_only_steps: int | None = None     # unispec only: steps that ran the target-only graph, and their time
@@ -82,15 +86,22 @@ class Pass:
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def tokens_per_cpu_s(self) -> float | None:
+        return self.tokens / self.cpu_s if self.cpu_s else None
+
     def figures(self) -> dict[str, Any]:
         """Everything a row reports about the pass (raw figures plus derived per-step times)."""
-        d = {**asdict(self), "tokens_per_s": self.tokens_per_s, "acceptance_per_position":
-             list(self.acceptance_per_position)}
+        d = {**asdict(self), "tokens_per_s": self.tokens_per_s, "tokens_per_cpu_s": self.tokens_per_cpu_s,
+             "acceptance_per_position": list(self.acceptance_per_position)}
         if self.steps:
             d["graph_ms_per_step"] = 1e3 * self.graph_s / self.steps
             d["host_ms_per_step"] = 1e3 * self.host_s / self.steps
             d["host_share"] = self.host_s / (self.graph_s + self.host_s)
             d["step_ms"] = 1e3 * (self.graph_s + self.host_s) / self.steps
+            if self.graph_cpu_s is not None:
+                d["graph_cpu_ms_per_step"] = 1e3 * self.graph_cpu_s / self.steps
+                d["host_cpu_ms_per_step"] = 1e3 * self.host_cpu_s / self.steps
         if self.steps and self.target_only_steps is not None:
             d["target_only_share"] = self.target_only_steps / self.steps
             spec_steps = self.steps - self.target_only_steps

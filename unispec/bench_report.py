@@ -27,20 +27,21 @@ def report_tables(report: BenchReport) -> list[Any]:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table("engine", "batch", "temp", "tokens/s", "speedup", "expected", "target-only %", "accepted len",
-                  "acceptance / position", "graph ms", "host ms", "host %",
-                  title=escape(f"unispec bench {report.config.artifact_dir}"),
+    table = Table("engine", "batch", "temp", "tokens/s", "speedup", "cpu speedup", "expected", "target-only %",
+                  "accepted len", "acceptance / position", "graph ms", "host ms", "host %", "graph cpu ms",
+                  "host cpu ms", title=escape(f"unispec bench {report.config.artifact_dir}"),
                   title_justify="left", caption=escape(" · ".join(report.notes)), caption_justify="left")
     for row in (r for r in report.rows if r.passes):
         m = row.median
         per_position = " ".join(f"{a:.2f}" for a in m.get("acceptance_per_position", []))
         mix = m.get("target_only_share") if row.engine == report.artifact_engine else None   # `none`: all
         table.add_row(escape(row.engine), str(row.batch_size), f"{row.temperature:g}", _f(m.get("tokens_per_s")),
-                      _f(row.speedup, ".2f", "×"), _f(row.expected_speedup, ".2f", "×"),
-                      _f(None if mix is None else 100 * mix, ".0f"), _f(m.get("mean_accepted_length"), ".2f"),
-                      per_position,
+                      _f(row.speedup, ".2f", "×"), _f(row.cpu_speedup, ".2f", "×"),
+                      _f(row.expected_speedup, ".2f", "×"), _f(None if mix is None else 100 * mix, ".0f"),
+                      _f(m.get("mean_accepted_length"), ".2f"), per_position,
                       _f(m.get("graph_ms_per_step"), ".2f"), _f(m.get("host_ms_per_step"), ".2f"),
-                      _f(100 * m["host_share"] if "host_share" in m else None, ".0f"))
+                      _f(100 * m["host_share"] if "host_share" in m else None, ".0f"),
+                      _f(m.get("graph_cpu_ms_per_step"), ".3f"), _f(m.get("host_cpu_ms_per_step"), ".3f"))
     skipped: dict[tuple[str, str], list[Row]] = {}
     for row in (r for r in report.rows if r.why):
         skipped.setdefault((row.engine, row.why), []).append(row)

@@ -10,6 +10,7 @@ import click
 
 from export.archs import FAMILIES
 from runtime.errors import UnispecError
+from unispec.cli_errors import OneLineErrors, read_text
 
 
 class _MethodChoice(click.Choice):
@@ -30,19 +31,7 @@ class _MethodChoice(click.Choice):
         pass
 
 
-class _Group(click.Group):
-    """Turns unispec's own errors into one clear line (exit 1) unless `--debug` asks for the traceback."""
-
-    def invoke(self, ctx: click.Context):  # type: ignore[override]
-        try:
-            return super().invoke(ctx)
-        except UnispecError as exc:
-            if ctx.obj and ctx.obj.get("debug"):
-                raise
-            raise click.ClickException(str(exc)) from None
-
-
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 @click.version_option(package_name="unispec")
 @click.pass_context
@@ -65,7 +54,10 @@ _CHECKPOINT_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
               help="Draft tokens per step (K), fixed per artifact; ignored by `none`; when omitted, read from a "
                    "draft that fixes it (DFlash: block_size - 1).  [default: 3]")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Artifact directory (an existing artifact there is replaced once the new one is complete).")
+              help="Artifact directory (an existing artifact there is replaced once the new one is complete; "
+                   "a directory holding anything else is refused).")
+@click.option("--force", is_flag=True,
+              help="Write into an --out that holds other files: only files with an artifact's names are replaced.")
 @click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), default="float32",
               show_default=True, help="Weights and KV pools.")
 @click.option("--structured-output", is_flag=True, help="Add the token_bitmask input for grammars.")
@@ -92,10 +84,17 @@ def export(**options: Any) -> None:
               help="Recipe file, or a built-in recipe name (default, decode-heavy, prefill-heavy).  [default: default]")
 @click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="TensorRT timing cache to read (when it exists) and update.")
+@click.option("--flavour", type=click.Choice(("tensorrt", "tensorrt-rtx")), default=None,
+              help="TensorRT 11 (data-center GPUs, builds on a GPU) or TensorRT-RTX (Ampere/Ada/Blackwell RTX, "
+                   "builds CPU-only).  [default: the installed one; TensorRT 11 only where a GPU is visible]")
+@click.option("--compute-capability", "compute_capabilities", multiple=True, metavar="SM",
+              help="TensorRT-RTX target GPU, repeatable: sm_80, sm_86, sm_89, sm_120, sm_121 (overrides the "
+                   "recipe's).  [default: the visible GPU, else all of those]")
 @click.option("--dry-run", is_flag=True, help="Print the optimization profile and stop (needs no TensorRT).")
-def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, dry_run: bool) -> None:
+def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, flavour: str | None,
+          compute_capabilities: tuple[str, ...], dry_run: bool) -> None:
     """Build a TensorRT engine into an artifact directory (engine.plan, engine.json, manifest.engine)."""
-    from engines.build import build_engine, describe_plan, load_artifact, plan_build
+    from engines.build import build_engine, describe_engine, describe_plan, load_artifact, plan_build
     from engines.recipe import load_recipe
 
     if dry_run:
@@ -105,7 +104,8 @@ def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, dry
         for renderable in describe_plan(manifest, plan_build(manifest, load_recipe(recipe))):
             Console().print(renderable)
         return
-    click.echo(f"engine: {build_engine(artifact_dir, recipe=recipe, timing_cache=timing_cache)}")
+    click.echo(describe_engine(build_engine(artifact_dir, recipe=recipe, timing_cache=timing_cache, flavour=flavour,
+                                            compute_capabilities=compute_capabilities)))
 
 
 @main.command()
@@ -138,7 +138,7 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
-    params = SamplingParams(json_schema=json_schema.read_text() if json_schema else None, **sampling)
+    params = SamplingParams(json_schema=read_text(json_schema, "--json-schema") if json_schema else None, **sampling)
     try:
         request = [int(t) for t in prompt_ids.split(",")] if prompt_ids is not None else prompt
     except ValueError:
@@ -154,6 +154,46 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
         click.echo(re.sub(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", "", text), nl=False)
     click.echo()
     Console(highlight=False, soft_wrap=True).print(f"[dim]{escape(stream.output.summary())}[/dim]")
+
+
+@main.command()
+@click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--backend", type=click.Choice(("ort", "trt")), default="ort", show_default=True)
+@click.option("--served-model-name", default=None, show_default="the artifact directory's name",
+              help="The `model` clients name in their requests.")
+@click.option("--max-batch-size", type=int, default=None, show_default="the artifact's",
+              help="Requests in the engine at once; later ones wait for a slot.")
+@click.option("--max-model-len", type=int, default=None, show_default="the artifact's",
+              help="Longest prompt + output; may only lower the artifact's.")
+@click.option("--kv-memory-mib", type=int, default=None, show_default="256", help="KV pool budget per LLM.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Jinja chat template to use instead of the artifact's tokenizer_config.json one.")
+@click.option("--replicas", type=int, default=1, show_default=True,
+              help="More than 1 deploys on Ray Serve (extra `serve`), one LLM per replica.")
+@click.option("--max-replicas", type=int, default=None, help="Ray Serve autoscales between --replicas and this.")
+@click.option("--ray", is_flag=True, help="Deploy on Ray Serve even with one replica (joins RAY_ADDRESS if set).")
+@click.option("--cpus-per-replica", type=float, default=1.0, show_default=True, help="Ray resources per replica.")
+@click.option("--gpus-per-replica", type=float, default=None, show_default="1 with --backend trt, else 0",
+              help="Ray resources per replica.")
+@click.option("--log-level", type=click.Choice(("debug", "info", "warning", "error")), default="info",
+              show_default=True)
+def serve(**options: Any) -> None:
+    """Serve an artifact over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics); with --replicas N on Ray Serve."""
+    from unispec.serve import ServeConfig, require_serve_extra
+
+    config = ServeConfig(**options)
+    require_serve_extra()
+    if config.uses_ray:
+        from unispec.serve_ray import run_on_ray
+
+        run_on_ray(config)
+    else:
+        from unispec.serve_app import run_uvicorn
+
+        run_uvicorn(config)
 
 
 def _number_list(kind: type, flag: str, example: str, lowest: float, none_ok: bool = False):
@@ -192,8 +232,11 @@ def _peer_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
               help="top-p of unispec's sampled rows (1 = off; the peers sample without it).")
 @click.option("--speculation", type=click.Choice(("auto", "always", "never")), default="auto", show_default=True,
               help="The artifact's engine: each step speculative or target-only as measured faster, or forced.")
-@click.option("--repeats", type=int, default=3, show_default=True,
-              help="Timed passes per engine and cell (after one warm-up); the report keeps their medians.")
+@click.option("--repeats", type=int, default=16, show_default=True,
+              help="Timed passes per engine and cell (after one warm-up); pass r takes the next prompts.")
+@click.option("--interleave/--sequential", default=True, show_default=True,
+              help="Alternate the engines within each repeat and take medians of per-repeat speedups (robust on "
+                   "a shared machine), or run each engine's passes back to back.")
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="New tokens per request.")
 @click.option("--threads", type=int, default=None, show_default="all cores",
               help="Intra-op threads for ONNX Runtime, torch and onnxruntime-genai alike.")
@@ -279,7 +322,10 @@ def inspect(artifact_dir: Path) -> None:
     from rich.console import Console
 
     from export.artifact import read_artifact
+    from runtime.artifact_check import check_artifact
+    from runtime.manifest import Manifest
 
+    check_artifact(artifact_dir, Manifest.load(artifact_dir))     # files inside it, manifest fields vs graph
     console = Console()
     for table in _artifact_tables(artifact_dir, read_artifact(artifact_dir)):
         console.print(table)

@@ -53,7 +53,10 @@ def experts(
     gate = torch.matmul(x, w_gate.transpose(1, 2))                                     # [E, S, I]
     up = torch.matmul(x, w_up.transpose(1, 2))                                         # [E, S, I]
     out = torch.matmul(F.silu(gate) * up, w_down.transpose(1, 2))                      # [E, S, H]
-    return (out * weights.to(out.dtype).T[:, :, None]).sum(dim=0)                      # [S, H]
+    # The expert sum accumulates in float32 and is cast back explicitly: a float16/bfloat16 `.sum` exports
+    # as Cast(float) -> ReduceSum with the cast back dropped, a function output of the wrong type.
+    weighted = out.float() * weights.float().T[:, :, None]                             # [E, S, H] float32
+    return weighted.sum(dim=0).to(x.dtype)                                             # [S, H]
 
 
 def moe(

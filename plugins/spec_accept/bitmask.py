@@ -8,6 +8,9 @@ the bonus position (DESIGN.md §3).
 The mask is applied to the target logits of every verified position *before* truncation and
 acceptance, so a forbidden draft has target probability 0 (always rejected) and the recovered and bonus
 tokens are always allowed.
+
+Unpacking is integer arithmetic (Mod and a comparison), not BitwiseAnd / BitShift: no TensorRT parses
+Bitwise ops (DESIGN.md §8). It is exact: every value fits int64.
 """
 
 from __future__ import annotations
@@ -25,8 +28,7 @@ def num_bitmask_words(vocab_size: int) -> int:
 
 
 def _bit_values(device: torch.device) -> torch.Tensor:
-    # [32] int32: 1, 2, 4, ..., 2**30, -2**31. BitwiseAnd with these avoids ONNX BitShift, which
-    # accepts unsigned types only.
+    # [32] int32: 1, 2, 4, ..., 2**30, -2**31, the signed value of each bit (pack_bitmask sums them)
     values = [1 << j for j in range(BITS_PER_WORD - 1)] + [-(1 << (BITS_PER_WORD - 1))]
     return torch.tensor(values, dtype=torch.int32, device=device)
 
@@ -35,10 +37,18 @@ def unpack_bitmask(
     bitmask: torch.Tensor,  # [..., W] int32, W >= ceil(V/32)
     vocab_size: int | torch.SymInt,
 ) -> torch.Tensor:
-    """Allowed tokens as booleans: [..., V]."""
-    bits = (bitmask[..., None] & _bit_values(bitmask.device)) != 0          # [..., W, 32]
-    allowed = bits.flatten(-2)                                               # [..., W*32]
-    return allowed[..., :vocab_size]                                         # [..., V]
+    """Allowed tokens as booleans: [..., V].
+
+    Bit j of a word is set iff (u mod 2**(j+1)) >= 2**j, u the word read as unsigned (word mod 2**32,
+    in int64). Only Mod and a comparison: an integer Div would export through float (torch's trunc
+    division does), which cannot hold 32-bit words exactly.
+    """
+    unsigned = bitmask.to(torch.int64).remainder(1 << BITS_PER_WORD)                  # [..., W] in [0, 2**32)
+    powers = torch.tensor([1 << j for j in range(BITS_PER_WORD)], dtype=torch.int64,
+                          device=bitmask.device)                                         # [32] 2**j
+    low_bits = unsigned[..., None].remainder(powers * 2)                               # [..., W, 32]
+    allowed = (low_bits >= powers).flatten(-2)                                         # [..., W*32]
+    return allowed[..., :vocab_size]                                                   # [..., V]
 
 
 def apply_bitmask(

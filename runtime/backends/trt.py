@@ -46,11 +46,21 @@ NO_TENSORRT = ("backend 'trt' needs TensorRT and an NVIDIA GPU; pip install unis
 _PAD = {io.DRAFT_TOKENS: -1, io.CHUNK_NEXT_TOKENS: -1, io.TOP_P: 1.0, io.TOKEN_BITMASK: -1}
 
 
-def _libs() -> tuple[Any, Any]:
+# engine.json "flavour" (engines/flavours.py) -> the module that deserializes its plans; an artifact built
+# before flavours existed was built with TensorRT 11.
+_FLAVOUR_MODULES = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}
+
+
+def _libs(flavour: str = "tensorrt") -> tuple[Any, Any]:
+    if flavour not in _FLAVOUR_MODULES:
+        raise ArtifactError(f"engine.json names TensorRT flavour {flavour!r}, which this unispec cannot run; "
+                            f"rebuild with `unispec build --flavour {' or '.join(_FLAVOUR_MODULES)}`")
     try:
-        import tensorrt
-    except (ImportError, OSError):       # OSError: the package is there, libnvinfer is not
-        raise BackendUnavailableError(NO_TENSORRT) from None
+        tensorrt = importlib.import_module(_FLAVOUR_MODULES[flavour])
+    except (ImportError, OSError):       # OSError: the package is there, its libraries are not
+        raise BackendUnavailableError(NO_TENSORRT if flavour == "tensorrt" else
+                                      "this engine was built with TensorRT-RTX; pip install unispec[trt-rtx] "
+                                      "on a GPU machine to run it") from None
     try:
         import torch
     except ImportError:
@@ -139,7 +149,7 @@ class TrtBackend:
 
     def __init__(self, artifact_dir: str | Path, manifest: io.Manifest, *, num_blocks: int,
                  cuda_graph_batches: tuple[int, ...] | None = None, device: int = 0) -> None:
-        trt, torch = _libs()
+        trt, torch = _libs((manifest.engine or {}).get("flavour", "tensorrt"))
         if num_blocks < 1:
             raise UnispecError(f"num_blocks must be >= 1, got {num_blocks}")
         self.manifest, self.num_blocks, self._torch = manifest, num_blocks, torch

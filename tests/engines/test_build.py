@@ -12,8 +12,9 @@ import pytest
 
 from engines import build as build_module
 from engines.build import ENGINE_PLAN, ENGINE_SETTINGS, build_engine, plan_build, write_engine
+from engines.flavours import NO_TENSORRT
 from engines.recipe import Recipe, load_recipe
-from engines.tensorrt_build import NO_TENSORRT, BuildResult
+from engines.tensorrt_build import BuildResult
 from runtime.errors import ArtifactError, BackendUnavailableError, ConfigError
 from runtime.manifest import Manifest
 from tests.engines.manifests import make_manifest, write_fake_artifact
@@ -42,8 +43,9 @@ def test_write_engine_writes_files_and_points_the_manifest_at_them(tmp_path: Pat
     assert settings["profiles"][0]["kv_pool"]["max"] == [40, 3, 4, 64]
     assert settings["dims"]["batch"] == {"min": 1, "opt": 8, "max": 8}
     again = Manifest.load(art)
-    assert again.engine == {"plan": ENGINE_PLAN, "settings": ENGINE_SETTINGS, "tensorrt_version": "11.4.0",
-                            "recipe": "default", "num_blocks": 40, "cuda_graph_batches": [1, 4]}
+    assert again.engine == {"plan": ENGINE_PLAN, "settings": ENGINE_SETTINGS, "flavour": "tensorrt",
+                            "tensorrt_version": "11.4.0", "compute_capabilities": [], "recipe": "default",
+                            "num_blocks": 40, "cuda_graph_batches": [1, 4]}
     assert again.inputs == manifest.inputs and again.max_batch_size == manifest.max_batch_size
     write_engine(art, again, b"PLAN-2", plan, {"tensorrt_version": "11.4.0"})   # a rebuild replaces it
     assert path.read_bytes() == b"PLAN-2" and _leftovers(art) == []
@@ -68,8 +70,14 @@ def test_an_interrupted_write_leaves_a_manifest_without_engine(tmp_path: Path, m
     assert _leftovers(art) == []
 
 
+def hide_tensorrt(monkeypatch) -> None:
+    """Neither flavour importable (`import tensorrt` / `import tensorrt_rtx` raise ImportError)."""
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)
+
+
 def test_without_tensorrt_build_says_so_in_one_line_and_touches_nothing(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "tensorrt", None)       # `import tensorrt` raises ImportError
+    hide_tensorrt(monkeypatch)
     art = write_fake_artifact(tmp_path / "art")
     before = (art / "manifest.json").read_text()
     with pytest.raises(BackendUnavailableError) as info:
@@ -80,7 +88,7 @@ def test_without_tensorrt_build_says_so_in_one_line_and_touches_nothing(tmp_path
 
 
 def test_artifact_and_recipe_are_checked_before_tensorrt(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    hide_tensorrt(monkeypatch)
     with pytest.raises(ArtifactError, match="no such directory"):
         build_engine(tmp_path / "missing")
     art = write_fake_artifact(tmp_path / "art")
@@ -99,24 +107,31 @@ def test_build_engine_reuses_and_rewrites_the_timing_cache(tmp_path: Path, monke
     """TensorRT faked: what build_engine passes in, and what it writes from the result."""
     seen = {}
 
-    def fake_build(model, manifest, recipe, shapes, timing_cache=b""):
-        seen.update(model=model, recipe=recipe, shapes=shapes, cache=timing_cache)
+    def fake_build(model, manifest, recipe, shapes, timing_cache=b"", *, flavour, targets):
+        seen.update(model=model, recipe=recipe, shapes=shapes, cache=timing_cache, flavour=flavour, targets=targets)
         return BuildResult(plan=b"ENGINE", timing_cache=timing_cache + b"+new", tensorrt_version="11.4.0",
                            plugin_ops=("PagedAttention",), plugin_layers=3, network_flags=(),
-                           parser_flags=("ENABLE_PLUGIN_OVERRIDE",))
+                           parser_flags=("ENABLE_PLUGIN_OVERRIDE",), flavour=flavour.name, targets=targets)
 
     monkeypatch.setattr("engines.tensorrt_build.build_serialized", fake_build)
+    monkeypatch.setattr("engines.build.gpu_capability", lambda: "sm_90")    # TensorRT 11 on a Hopper GPU
     art = write_fake_artifact(tmp_path / "art")
     cache = tmp_path / "caches" / "timing.cache"
-    build_engine(art, recipe="decode-heavy", timing_cache=cache)
+    build_engine(art, recipe="decode-heavy", timing_cache=cache, flavour="tensorrt")
     assert seen["model"] == art / "model.onnx" and seen["cache"] == b"" and seen["recipe"].name == "decode-heavy"
+    assert seen["flavour"].name == "tensorrt" and seen["targets"] == ("sm_90",)
     assert seen["shapes"]["tokens"].opt == (8,)
     assert cache.read_bytes() == b"+new"
-    build_engine(art, recipe="decode-heavy", timing_cache=cache)
+    build_engine(art, recipe="decode-heavy", timing_cache=cache, flavour="tensorrt")
     assert seen["cache"] == b"+new" and cache.read_bytes() == b"+new+new"
     settings = json.loads((art / ENGINE_SETTINGS).read_text())
     assert settings["timing_cache"] == {"path": str(cache), "bytes_read": 4, "bytes_written": 8}
     assert settings["plugins"] == {"registered": ["PagedAttention"], "plugin_layers": 3,
                                    "reference_functions": ["SpecAccept"]}
-    assert Manifest.load(art).engine["recipe"] == "decode-heavy"
+    assert settings["flavour"] == "tensorrt" and settings["compute_capabilities"] == ["sm_90"]
+    assert settings["engine_bytes"] == len(b"ENGINE")
+    line = build_module.describe_engine(art / ENGINE_PLAN)        # what `unispec build` prints
+    assert line.startswith(f"engine: {art / ENGINE_PLAN} (0.0 MiB, built in ") and "with tensorrt 11.4.0 for sm_90)" in line
+    engine = Manifest.load(art).engine
+    assert engine["recipe"] == "decode-heavy" and engine["flavour"] == "tensorrt"
     assert (art / ENGINE_PLAN).read_bytes() == b"ENGINE" and _leftovers(art) == [] and _leftovers(cache.parent) == []

@@ -29,6 +29,12 @@ def test_a_recipe_file_is_read_with_its_stem_as_name(tmp_path: Path) -> None:
     assert load_recipe(str(path)) == recipe
 
 
+def test_compute_capabilities_are_normalized_rtx_targets(tmp_path: Path) -> None:
+    path = tmp_path / "rtx.toml"
+    path.write_text('compute_capabilities = ["8.6", "SM89", "sm_120"]\n')
+    assert load_recipe(path).compute_capabilities == ("sm_86", "sm_89", "sm_120")
+
+
 @pytest.mark.parametrize("text, match", [
     ("opt_bath = 4\n", "unknown key 'opt_bath'"),
     ("fp16 = true\n", "unknown key 'fp16'"),
@@ -41,6 +47,9 @@ def test_a_recipe_file_is_read_with_its_stem_as_name(tmp_path: Path) -> None:
     ("opt_batch = 0\n", "opt_batch must be >= 1"),
     ("opt_tokens = 8\nopt_tokens_per_row = 1\n", "not both"),
     ('tactic_sources = ["CUBLASS"]\n', "unknown tactic_sources"),
+    ('compute_capabilities = ["sm_90"]\n', r"must name TensorRT-RTX targets from \['sm_75'"),
+    ('compute_capabilities = []\n', "must name TensorRT-RTX targets"),
+    ('compute_capabilities = ["turing"]\n', "compute capability 'turing': write it as sm_86"),
     ("[profile]\nopt_batch = 2\n", "unknown key 'profile'"),
     ("opt_batch = \n", "not valid TOML"),
 ])

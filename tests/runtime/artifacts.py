@@ -33,6 +33,11 @@ CASES: dict[str, tuple[str, str]] = {
     "deepseek-v3-eagle3": ("deepseek-v3", "eagle3"), "deepseek-v3-eagle3-mha": ("deepseek-v3", "eagle3-mha"),
     "gemma4-gemma4-mtp": ("gemma4", "gemma4-mtp"),
 }
+# one case per method, for tests that cover every method once (float16 exports, engine builds)
+METHOD_CASES: dict[str, str] = {
+    "none": "llama3-none", "mtp": "deepseek-v3-mtp", "nextn": "deepseek-v3-nextn", "eagle3": "deepseek-v3-eagle3",
+    "eagle3-mha": "deepseek-v3-eagle3-mha", "dflash": "llama3-dflash", "gemma4-mtp": "gemma4-gemma4-mtp",
+}
 # "<case>-json": the same pair with the test tokenizer and structured output (the `token_bitmask` input)
 JSON_SUFFIX = "-json"
 JSON_CASES: dict[str, tuple[str, str]] = {f"{case}{JSON_SUFFIX}": pair for case, pair in CASES.items()}
@@ -89,7 +94,7 @@ def write_tokenizer(target_dir: Path, vocab_size: int) -> None:
         {"bos_token": SPECIAL_TOKENS[BOS], "eos_token": SPECIAL_TOKENS[EOS], "chat_template": CHAT_TEMPLATE}))
 
 
-def make_artifact(case: str, root: Path) -> TinyArtifact:
+def make_artifact(case: str, root: Path, *, dtype: str = "float32") -> TinyArtifact:
     from export.artifact import export_model
     from export.methods import build_step
     from export.tiny import write_tiny
@@ -104,6 +109,6 @@ def make_artifact(case: str, root: Path) -> TinyArtifact:
     step.structured_output = structured
     out = root / "artifact"
     export_model(paths["target"], paths.get("draft"), method=method, num_speculative_tokens=k, out_dir=out,
-                 structured_output=structured, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                 dtype=dtype, structured_output=structured, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                  max_batch_size=MAX_BATCH, max_tokens_per_step=MAX_TOKENS_PER_STEP, progress=False)
     return TinyArtifact(out, step, family, method)

@@ -14,7 +14,16 @@ from click.testing import CliRunner
 from runtime.errors import InvalidRequestError
 from runtime.manifest import Manifest
 from unispec import bench
-from unispec.bench import BenchConfig, Pass, PeerUnavailable, Row, batches_of, load_prompts, measure
+from unispec.bench import (
+    BenchConfig,
+    Pass,
+    PeerUnavailable,
+    Row,
+    batches_of,
+    load_prompts,
+    measure,
+    measure_interleaved,
+)
 from unispec.bench_peers import Unavailable, count_generated, peer_runners
 from unispec.cli import main
 
@@ -113,6 +122,40 @@ def test_a_failing_peer_is_a_row_and_medians_are_per_figure() -> None:
     m = row.median
     assert m["tokens_per_s"] == 4.0 and m["mean_accepted_length"] == 1.5 and m["acceptance_per_position"] == [0.5, 0.0]
     assert m["host_share"] == pytest.approx(1 / 3) and m["graph_ms_per_step"] == 250.0
+
+
+def test_interleaved_passes_alternate_engines_and_speedups_are_per_repeat_medians() -> None:
+    calls: list[tuple[str, int]] = []
+
+    class Fake:
+        def __init__(self, name: str, walls: list[float], fail_at: int | None = None) -> None:
+            self.name, self.walls, self.fail_at, self.n = name, walls, fail_at, 0
+
+        def run(self, prompts, temperature, max_tokens):
+            calls.append((self.name, prompts[0][0]))
+            self.n += 1
+            if self.n == self.fail_at:
+                raise RuntimeError("gave up")
+            return Pass(wall_s=self.walls[self.n - 1], tokens=10)
+
+        def close(self) -> None:
+            pass
+
+    # the machine slows down 10x in repeat 2 for both engines: per-repeat ratios stay 2.0, medians would not
+    ours = Fake("ours", [1.0, 1.0, 10.0, 1.0])
+    theirs = Fake("theirs", [2.0, 2.0, 20.0, 2.0])
+    broken = Fake("broken", [1.0] * 4, fail_at=2)
+    batches = [[[r]] for r in range(3)]
+    rows = measure_interleaved([ours, theirs, broken], batches, 0.0, 4)
+    assert calls == [("ours", 0), ("theirs", 0), ("broken", 0), ("ours", 0), ("theirs", 0), ("broken", 0),
+                     ("ours", 1), ("theirs", 1), ("ours", 2), ("theirs", 2)]      # warm-ups, then by repeat
+    assert rows[2].why == "RuntimeError: gave up" and not rows[2].passes
+    assert all(p.cpu_s is not None and p.cpu_s >= 0 for p in rows[0].passes)
+    bench._add_speedups(rows, paired=True)
+    assert rows[1].speedup == pytest.approx(2.0) and rows[0].speedup == 1.0 and rows[2].speedup is None
+    rows[1].passes[1] = Pass(wall_s=200.0, tokens=10)                 # a repeat where only the peer was hit
+    bench._add_speedups(rows, paired=True)
+    assert rows[1].speedup == pytest.approx(2.0)                      # the median of (2, 20, 2) ignores it
 
 
 def test_generated_tokens_are_counted_up_to_the_first_eos() -> None:

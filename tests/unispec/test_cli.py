@@ -25,6 +25,20 @@ def test_bad_input_fails_in_one_line(tmp_path) -> None:
     assert "Traceback" not in result.output
 
 
+def test_an_unexpected_failure_is_one_line_unless_debug(tmp_path, monkeypatch) -> None:
+    import export.tiny
+
+    def broken(**_: object) -> None:
+        raise MemoryError("pretend the machine ran out")
+
+    monkeypatch.setattr(export.tiny, "write_tiny", broken)
+    argv = ["tiny", "--family", "llama3", "--out", str(tmp_path)]
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 1 and result.output.strip().count("\n") == 0 and "Traceback" not in result.output
+    assert "unexpected MemoryError: pretend the machine ran out; rerun with --debug" in result.output
+    assert isinstance(CliRunner().invoke(main, ["--debug", *argv]).exception, MemoryError)
+
+
 def test_facade_reports_unlanded_api() -> None:
     import unispec
     assert unispec.__version__

@@ -26,12 +26,22 @@ def _one_line_error(result) -> str:
 
 def test_without_tensorrt_build_fails_in_one_line(art: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)
     output = _one_line_error(CliRunner().invoke(main, ["build", str(art)]))
-    assert "TensorRT is not installed" in output and "pip install unispec[trt]" in output
+    assert "TensorRT is not installed" in output and "pip install 'unispec[trt-rtx]'" in output
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--flavour", "tensorrt-rtx", "--compute-capability", "sm_90"], "TensorRT-RTX cannot target sm_90"),
+    (["--flavour", "tensorrt-rtx", "--compute-capability", "hopper"], "write it as sm_86"),
+])
+def test_bad_targets_fail_in_one_line_before_tensorrt(art: Path, extra: list[str], message: str) -> None:
+    assert message in _one_line_error(CliRunner().invoke(main, ["build", str(art), *extra]))
 
 
 def test_dry_run_prints_the_profile_without_tensorrt(art: Path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)
     result = CliRunner().invoke(main, ["build", str(art), "--dry-run", "--recipe", "decode-heavy"])
     assert result.exit_code == 0, result.output
     for text in ("recipe decode-heavy", "num_tokens", "block_table", "[8, 34]", "[272, 3, 4, 64]",

@@ -86,6 +86,10 @@ def test_inspect_refuses_a_damaged_dir_in_one_line(bf16_artifact: tuple[Result, 
     (["--method", "dflash", "--draft", "{dflash}", "--num-speculative-tokens", "7"], "use --num-speculative-tokens 3"),
     (["--method", "dflash", "--draft", "{draft}"], "needs a dflash draft"),
     (["--block-size", "0"], "--block-size must be >= 1"),
+    (["--method", "eagle3", "--draft", "{draft}", "--num-speculative-tokens", "1000"],
+     "--num-speculative-tokens 1000 is above unispec's limit of 16 for eagle3"),
+    (["--method", "dflash", "--draft", "{dflash}", "--num-speculative-tokens", "32"], "at most 31"),
+    (["--max-batch-size", "1000000000"], "--max-batch-size 1000000000 is above unispec's limit of 4096"),
 ])
 def test_bad_combinations_fail_in_one_line_and_write_nothing(tiny: dict[str, Path], tmp_path: Path,
                                                              argv: list[str], message: str) -> None:
@@ -94,6 +98,22 @@ def test_bad_combinations_fail_in_one_line_and_write_nothing(tiny: dict[str, Pat
     result = CliRunner().invoke(main, ["export", "--target", str(tiny["target"]), "--out", str(out), *argv])
     assert message in one_line_failure(result)
     assert not list(tmp_path.iterdir())
+
+
+def test_an_integer_weight_is_refused_by_name(tiny: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target = shutil.copytree(tiny["target"], tmp_path / "int32")
+    weights = load_file(target / "model.safetensors")
+    key = next(k for k in weights if k.endswith("mlp.down_proj.weight"))
+    weights[key] = weights[key].to(torch.int32)
+    save_file(weights, target / "model.safetensors")
+    result = CliRunner().invoke(main, ["export", "--target", str(target), "--out", str(tmp_path / "out")])
+    assert f"tensor '{key}' has dtype int32; a weight must be floating point" in one_line_failure(result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["int32"]
 
 
 def test_debug_shows_the_traceback(tiny: dict[str, Path], tmp_path: Path) -> None:

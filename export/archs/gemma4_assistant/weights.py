@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from export.archs.gemma4_assistant.config import Gemma4AssistantConfig
-from export.weights import Shape, remap
+from export.weights import Shape, remap, take
 from runtime.errors import CheckpointError
 
 Row = tuple[str, str, Shape]
@@ -39,8 +39,7 @@ def weight_table(cfg: Gemma4AssistantConfig) -> list[Row]:
     for i in range(cfg.num_hidden_layers):
         rows += [(f"layers.{i}.{key}", f"model.layers.{i}.{key}", shape) for key, shape in _layer_rows(cfg, i)]
     if cfg.use_ordered_embeddings:
-        rows += [("centroids.weight", "masked_embedding.centroids.weight", (cfg.num_centroids, h)),
-                 (TOKEN_ORDERING, f"masked_embedding.{TOKEN_ORDERING}", (v,))]
+        rows += [("centroids.weight", "masked_embedding.centroids.weight", (cfg.num_centroids, h))]
     return rows
 
 
@@ -57,9 +56,10 @@ def _layer_rows(cfg: Gemma4AssistantConfig, layer: int) -> list[tuple[str, Shape
 def adapt_gemma4_assistant(source: Mapping[str, torch.Tensor], cfg: Gemma4AssistantConfig, *,
                            where: str = "gemma4_assistant checkpoint") -> dict[str, torch.Tensor]:
     """Pure state_dict -> state_dict: pick, rename and shape-check every tensor the assistant needs."""
-    state = remap(source, weight_table(cfg), where=where)
-    if cfg.use_ordered_embeddings:
-        state[TOKEN_ORDERING] = _checked_ordering(state[TOKEN_ORDERING], cfg.vocab_size, where)
+    state = remap(source, weight_table(cfg), where=where)          # the weights (floating point)
+    if cfg.use_ordered_embeddings:                                   # and the one integer tensor
+        ordering = take(source, f"masked_embedding.{TOKEN_ORDERING}", (cfg.vocab_size,), where=where)
+        state[TOKEN_ORDERING] = _checked_ordering(ordering, cfg.vocab_size, where)
     return state
 
 

@@ -3,7 +3,8 @@
 Run in a fresh process without TRITON_INTERPRET (test_kernels_aot.py). The plugin kernels go through each
 op's `kernel_spec` (exactly what aot_impl compiles); the launcher-only kernels (pool variants, the grouped
 MoE pipeline) get hand-written signatures, so code paths the interpreter never type-checks strictly
-(tl.dot shapes, dtype promotion, constexpr branches) are compiled for the GPU too.
+(tl.dot shapes, dtype promotion, constexpr branches) are compiled for the GPU too. ARCHS are the GPUs the
+two TensorRT flavours target: A100 (sm_80), Ada (sm_89), Hopper (sm_90), Blackwell RTX (sm_120).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from plugins.spec_accept import trt as accept_trt
 from plugins.trt_common import CompiledKernel, KernelSpec, compile_kernel
 
 ARCH = 90
+ARCHS = (80, 89, 90, 120)
 ROUTE = dict(num_experts_per_tok=8, n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5)
 
 
@@ -80,16 +82,19 @@ def _moe_pipeline_specs() -> dict[str, KernelSpec]:
     }
 
 
-def compile_all(dtypes: tuple[str, ...] = ()) -> dict[str, CompiledKernel]:
-    """Compile the plugin kernels for `dtypes` and every launcher kernel; a failure names the kernel."""
+def compile_all(dtypes: tuple[str, ...] = (), *, arch: int = ARCH, launchers: bool = True
+                ) -> dict[str, CompiledKernel]:
+    """Compile the plugin kernels for `dtypes` (and every launcher kernel) for sm_`arch`; a failure names
+    the kernel."""
     compiled = {}
-    for name, spec in {**plugin_specs(dtypes), **launcher_specs()}.items():
+    for name, spec in {**plugin_specs(dtypes), **(launcher_specs() if launchers else {})}.items():
         try:
-            compiled[name] = compile_kernel(spec, arch=ARCH)
+            compiled[name] = compile_kernel(spec, arch=arch)
         except Exception as error:  # noqa: BLE001  (re-raised with the kernel's name)
-            raise AssertionError(f"{name} does not compile for sm_{ARCH}: {error}") from error
+            raise AssertionError(f"{name} does not compile for sm_{arch}: {error}") from error
         kernel = compiled[name]
-        assert kernel.name == spec.fn.__name__ and f".target sm_{ARCH}" in kernel.ptx, name
+        # sm_90 and sm_120 kernels come out as sm_90a / sm_120a, which the prefix covers
+        assert kernel.name == spec.fn.__name__ and f".target sm_{arch}" in kernel.ptx, name
         assert kernel.num_ptx_params >= len(spec.signature), (name, kernel.num_ptx_params)
     # The default plugin tactics stay within the 48 KB a launch may use without opting in to more.
     for name, kernel in compiled.items():
@@ -99,6 +104,7 @@ def compile_all(dtypes: tuple[str, ...] = ()) -> dict[str, CompiledKernel]:
 
 
 if __name__ == "__main__":
-    for name, kernel in compile_all(("fp32", "fp16", "bf16")).items():
-        print(f"{name}: {kernel.name} warps={kernel.num_warps} shared={kernel.shared} "
-              f"ptx_params={kernel.num_ptx_params}")
+    for arch in ARCHS:
+        for name, kernel in compile_all(("fp32", "fp16", "bf16"), arch=arch).items():
+            print(f"sm_{arch} {name}: {kernel.name} warps={kernel.num_warps} shared={kernel.shared} "
+                  f"ptx_params={kernel.num_ptx_params}")

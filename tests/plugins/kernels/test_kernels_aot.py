@@ -6,6 +6,7 @@ with plugin_namespace becomes the plugin even with its reference function attach
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 
@@ -54,10 +55,24 @@ def test_launcher_kernels_compile_to_ptx() -> None:
     assert "attention_pool" in output and "moe_combine" in output
 
 
+def test_plugin_kernels_compile_to_ptx_for_every_target_gpu() -> None:
+    """What the plugins' aot_impl embed in an engine, as PTX for sm_80, sm_89, sm_90 and sm_120 (no GPU):
+    compiled, not only interpreted, for every GPU the TensorRT flavours target (fp16; all types: slow)."""
+    output = run_clean("from tests.plugins.kernels import aot_check\n"
+                       "for arch in aot_check.ARCHS:\n"
+                       "    kernels = aot_check.compile_all(('fp16',), arch=arch, launchers=False)\n"
+                       "    print(f'sm_{arch}: {len(kernels)} kernels')\n")
+    assert re.findall(r"^sm_\d+: \d+ kernels$", output, re.M) == [
+        "sm_80: 7 kernels", "sm_89: 7 kernels", "sm_90: 7 kernels", "sm_120: 7 kernels"]
+
+
 @pytest.mark.slow
-def test_plugin_kernels_compile_for_every_float_type() -> None:
-    """fp32 / fp16 / bf16 plugin kernels; default tactics within 48 KB of shared memory (except fp32 MLA)."""
-    run_clean("from tests.plugins.kernels import aot_check\naot_check.compile_all(('fp32', 'fp16', 'bf16'))\n")
+def test_plugin_kernels_compile_for_every_float_type_and_target() -> None:
+    """fp32 / fp16 / bf16 plugin and launcher kernels for every target GPU; default tactics within 48 KB of
+    shared memory (except fp32 MLA)."""
+    run_clean("from tests.plugins.kernels import aot_check\n"
+              "for arch in aot_check.ARCHS:\n"
+              "    aot_check.compile_all(('fp32', 'fp16', 'bf16'), arch=arch)\n")
 
 
 @pytest.mark.trt

@@ -66,6 +66,16 @@ def _assert_prefix_equal(got, want, atol: float) -> None:
             assert np.abs(value - expected).max() <= atol, name
 
 
+def test_the_engine_flavour_picks_the_module_that_runs_it(monkeypatch) -> None:
+    from runtime.backends import trt as trt_module
+
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)
+    with pytest.raises(BackendUnavailableError, match="built with TensorRT-RTX; pip install unispec"):
+        trt_module._libs("tensorrt-rtx")
+    with pytest.raises(ArtifactError, match="flavour 'tensorrt-13'"):
+        trt_module._libs("tensorrt-13")
+
+
 def test_without_tensorrt_the_backend_says_so_in_one_line(artifact, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     with pytest.raises(BackendUnavailableError) as info:
@@ -109,7 +119,7 @@ def faked(artifact, monkeypatch):
                                                      "cuda_graph_batches": [1, 2, 4, 8]})
     manifest.write(copy)
     trt, torch, engine = fake_libs(manifest, copy / manifest.model_file)
-    monkeypatch.setattr(trt_module, "_libs", lambda: (trt, torch))
+    monkeypatch.setattr(trt_module, "_libs", lambda flavour="tensorrt": (trt, torch))
     return copy, engine
 
 

@@ -1,0 +1,198 @@
+"""export/out_dir.py: what `unispec export --out DIR` may replace and how it writes (issue 17, items 1, 5, 6).
+
+The data-loss report reproduced: a directory holding a `{}` manifest.json beside the user's files is
+refused in one line and nothing is deleted; --force writes the artifact into it and keeps them. An
+artifact is replaced as a whole; with foreign files only file by file. An --out under a file, on a
+read-only filesystem or with a 250-character name is one line (or just works). SIGTERM during an export
+cleans up like Ctrl-C, and what kill -9 leaves is swept by the next export beside it."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from export import out_dir
+from export.out_dir import plan_out_dir, staging
+from export.tiny import write_tiny
+from runtime import manifest as io
+from runtime.errors import ExportError
+from runtime.manifest import Manifest
+from tests.engines.manifests import make_manifest, write_fake_artifact
+from unispec.cli import main
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny(family="llama3", method="none", out_dir=tmp_path_factory.mktemp("tiny"), seed=0)["target"]
+
+
+def users_dir(path: Path) -> Path:
+    """The report's directory: an empty-object manifest.json beside files that are not an artifact's."""
+    (path / "sub").mkdir(parents=True)
+    (path / "sub" / "notes.txt").write_text("mine")
+    (path / io.MANIFEST_NAME).write_text("{}\n")
+    (path / "precious.txt").write_text("keep")
+    return path
+
+
+def export(target: Path, out: Path, *extra: str):
+    return CliRunner().invoke(main, ["export", "--target", str(target), "--method", "none", "--out", str(out),
+                                     "--block-size", "4", "--max-model-len", "64", *extra])
+
+
+def listing(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*")}
+
+
+# --- item 1: never delete a user's files -------------------------------------------------------------------------
+
+def test_a_directory_that_is_not_an_artifact_is_refused_and_kept(target: Path, tmp_path: Path) -> None:
+    out = users_dir(tmp_path / "x")
+    before = listing(out)
+    result = export(target, out)
+    assert result.exit_code == 1 and result.output.count("\n") == 1 and "Traceback" not in result.output
+    assert "is not a unispec artifact: it has no manifest.json of ours (manifest.json, precious.txt, sub/)" \
+        in result.output and "--force" in result.output
+    assert listing(out) == before and (out / "precious.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
+
+
+def test_force_writes_the_artifact_in_and_keeps_everything_else(target: Path, tmp_path: Path) -> None:
+    out = users_dir(tmp_path / "x")
+    result = export(target, out, "--force")
+    assert result.exit_code == 0, result.output
+    assert (out / "precious.txt").read_text() == "keep" and (out / "sub" / "notes.txt").read_text() == "mine"
+    manifest = Manifest.load(out)
+    assert manifest.method == "none" and all((out / name).is_file() for name in io.artifact_files(manifest))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]                 # no staging left beside it
+
+
+def fake_artifact(path: Path, **manifest_options: object) -> Path:
+    write_fake_artifact(path, make_manifest(**manifest_options))
+    return path
+
+
+def test_an_artifact_is_replaced_whole_and_one_with_foreign_files_only_by_force(tmp_path: Path) -> None:
+    out = fake_artifact(tmp_path / "art")
+    plan = plan_out_dir(out)
+    assert plan.mode == "replace" and plan.old_files == {io.MANIFEST_NAME, io.MODEL_NAME, io.WEIGHTS_NAME}
+    with staging(plan) as tmp:
+        write_fake_artifact(tmp, make_manifest(k=2))
+    assert Manifest.load(out).num_speculative_tokens == 2 and listing(tmp_path) == {"art", *(
+        f"art/{n}" for n in (io.MANIFEST_NAME, io.MODEL_NAME, io.WEIGHTS_NAME))}
+    (out / "timing.cache").write_bytes(b"the user's")
+    with pytest.raises(ExportError, match=r"it holds other files too \(timing.cache\)"):
+        plan_out_dir(out)
+    plan = plan_out_dir(out, force=True)
+    assert plan.mode == "merge"
+    with staging(plan) as tmp:
+        manifest = make_manifest(k=1)
+        manifest.write(tmp)
+        (tmp / io.MODEL_NAME).write_bytes(b"new graph")            # this export writes no weights file
+    assert Manifest.load(out).num_speculative_tokens == 1 and (out / io.MODEL_NAME).read_bytes() == b"new graph"
+    assert (out / "timing.cache").read_bytes() == b"the user's" and not (out / io.WEIGHTS_NAME).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_force_never_deletes_a_directory_named_like_an_artifact_file(tmp_path: Path) -> None:
+    out = tmp_path / "x"
+    (out / io.MODEL_NAME).mkdir(parents=True)
+    (out / io.MODEL_NAME / "mine.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"holds directories named like artifact files \(model.onnx\)"):
+        with staging(plan_out_dir(out, force=True)) as tmp:
+            write_fake_artifact(tmp)
+    assert (out / io.MODEL_NAME / "mine.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
+
+
+# --- item 5: --out where nothing can be written ------------------------------------------------------------------
+
+def test_out_under_a_file_or_unwritable_is_one_line(target: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "file").write_text("a file")
+    result = export(target, tmp_path / "file" / "art")
+    assert result.exit_code == 1 and result.output.count("\n") == 1
+    assert "lies under" in result.output and "which is a file" in result.output
+    monkeypatch.setattr(os, "access", lambda *_: False)                      # root ignores permission bits
+    with pytest.raises(ExportError, match="is not writable"):
+        plan_out_dir(tmp_path / "ro" / "art")
+
+
+def test_a_read_only_filesystem_at_write_time_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = plan_out_dir(tmp_path / "art")
+
+    def read_only(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(ExportError, match="cannot write there: Read-only file system") as info:
+        with staging(plan):
+            pass
+    assert "\n" not in str(info.value)
+
+
+def test_a_250_character_name_is_written_and_a_256_character_one_is_one_line(tmp_path: Path) -> None:
+    out = tmp_path / ("a" * 250)
+    with staging(plan_out_dir(out)) as tmp:
+        assert len(tmp.name) < 255
+        write_fake_artifact(tmp)
+    assert Manifest.load(out).method == "eagle3" and sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    with pytest.raises(ExportError, match="cannot write there: File name too long") as info:
+        plan_out_dir(tmp_path / ("b" * 256))
+    assert "\n" not in str(info.value)
+
+
+# --- item 6: SIGTERM and kill -9 -------------------------------------------------------------------------------------
+
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path) -> None:
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as info:
+        with staging(plan_out_dir(tmp_path / "art")) as tmp:
+            (tmp / io.MODEL_NAME).write_bytes(b"half")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)                          # the handler raises before this ends
+    assert info.value.code == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == handler
+
+
+def staged_dirs(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name)
+
+
+def start_export(target: Path, out: Path) -> subprocess.Popen:
+    """`unispec export` in a child process, returned once it has created its staging directory."""
+    child = subprocess.Popen([sys.executable, "-m", "unispec.cli", "export", "--target", str(target), "--out",
+                              str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not [n for n in staged_dirs(out.parent) if not n.endswith(out_dir.OWNER_SUFFIX)]:
+        assert child.poll() is None and time.monotonic() < deadline, child.stderr.read().decode()
+        time.sleep(0.05)
+    return child
+
+
+def test_a_terminated_export_leaves_nothing_and_a_killed_one_is_swept_next_time(target: Path, tmp_path: Path) -> None:
+    child = start_export(target, tmp_path / "art")
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=120) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+    child = start_export(target, tmp_path / "art")
+    child.kill()
+    child.wait(timeout=60)
+    left = staged_dirs(tmp_path)
+    assert len(left) == 2 and any(n.endswith(out_dir.OWNER_SUFFIX) for n in left)      # the dir and its owner
+    alive = tmp_path / ".other.tmp-0000.owner"                                     # a live exporter's: kept
+    alive.write_text(json.dumps({"pid": os.getpid(), "host": out_dir.socket.gethostname()}))
+    (tmp_path / ".other.tmp-0000").mkdir()
+    with staging(plan_out_dir(tmp_path / "next")) as tmp:
+        write_fake_artifact(tmp)
+    assert staged_dirs(tmp_path) == [".other.tmp-0000", ".other.tmp-0000.owner"]

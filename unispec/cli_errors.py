@@ -1,0 +1,40 @@
+"""How the CLI fails: one clear line, never a traceback unless `--debug` (STYLE.md rule 10)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from runtime.errors import UnispecError
+
+__all__ = ["OneLineErrors", "read_text"]
+
+
+class OneLineErrors(click.Group):
+    """Turns unispec's own errors into one clear line (exit 1) unless `--debug` asks for the traceback;
+    anything else that escapes (a bug, or a failure nobody anticipated) is one line too."""
+
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as exc:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            if isinstance(exc, UnispecError):
+                raise click.ClickException(str(exc)) from None
+            reason = " ".join(str(exc).split())[:300] or "no message"
+            raise click.ClickException(f"unexpected {type(exc).__name__}: {reason}; rerun with --debug for the "
+                                       "traceback and please report it") from None
+
+
+def read_text(path: Path, flag: str) -> str:
+    """A UTF-8 text file an option names; a one-line error when it is not one."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnispecError(f"{flag} {path} is not UTF-8 text (byte {exc.start} is not); save it as UTF-8") from None
+    except OSError as exc:
+        raise UnispecError(f"{flag} {path}: cannot read it ({exc.strerror})") from None

@@ -1,0 +1,178 @@
+"""`unispec serve`: one artifact behind an OpenAI-compatible HTTP API (uvicorn), or on Ray Serve replicas.
+This module holds what both share: the config and the served model; serve_app.py builds the app and
+runs it under uvicorn, serve_ray.py deploys it on Ray Serve.
+
+    client ─HTTP─▶ uvicorn ─▶ FastAPI app (serve_app.py) ─▶ ServedModel ─threads─▶ LLM (one engine, one lock)
+    client ─HTTP─▶ Ray Serve proxy ─router─▶ replica 1..N, each the same app on its own LLM (serve_ray.py)
+
+Concurrency: the LLM is blocking and guarded by one lock; a thread that waits for its request's next
+tokens runs one step for every request in flight (runtime/llm.py). So each open request waits for its
+deltas in a worker thread, never on the event loop, and all connections share one continuous batch.
+At most `max_batch_size` requests are in the engine at once; later ones wait (FIFO) for a slot. A request
+whose client goes away is cancelled, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import UnispecError
+from runtime.sequence import RequestOutput
+
+__all__ = ["ServeConfig", "ServedModel", "load_model", "require_serve_extra"]
+
+MIB = 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    artifact_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: str = "ort"
+    served_model_name: str | None = None       # None: the artifact directory's name
+    max_batch_size: int | None = None          # requests in the engine at once; None: the artifact's bound
+    max_model_len: int | None = None           # None: the artifact's
+    kv_memory_mib: int | None = None           # None: the LLM's default budget
+    chat_template: Path | None = None          # a Jinja file replacing the artifact's chat template
+    replicas: int = 1                          # > 1 (or ray / max_replicas) deploys on Ray Serve
+    max_replicas: int | None = None            # Ray Serve autoscales between replicas and this
+    ray: bool = False
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float | None = None      # None: 1 for the trt backend, else 0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "artifact_dir", Path(self.artifact_dir))
+        checks = [
+            ("port", 0 <= self.port <= 65535, "an int in [0, 65535]"),
+            ("max_batch_size", self.max_batch_size is None or self.max_batch_size >= 1, "an int >= 1"),
+            ("kv_memory_mib", self.kv_memory_mib is None or self.kv_memory_mib >= 1, "an int >= 1"),
+            ("replicas", self.replicas >= 1, "an int >= 1"),
+            ("max_replicas", self.max_replicas is None or self.max_replicas >= self.replicas, "an int >= --replicas"),
+            ("cpus_per_replica", self.cpus_per_replica >= 0, "a number >= 0"),
+            ("gpus_per_replica", self.gpus_per_replica is None or self.gpus_per_replica >= 0, "a number >= 0"),
+        ]
+        for name, ok, valid in checks:
+            if not ok:
+                flag = "--" + name.replace("_", "-")
+                raise UnispecError(f"{flag} {getattr(self, name)!r} is invalid; use {valid}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.artifact_dir.resolve().name
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.ray or self.replicas > 1 or self.max_replicas is not None
+
+    @property
+    def replica_gpus(self) -> float:
+        if self.gpus_per_replica is not None:
+            return self.gpus_per_replica
+        return 1.0 if self.backend == "trt" else 0.0
+
+
+class ServedModel:
+    """One LLM behind the API: text and chats to token ids, requests to async streams of deltas."""
+
+    def __init__(self, llm: Any, *, name: str, max_batch_size: int, chat_template: str | None = None) -> None:
+        import anyio
+
+        from unispec.serve_metrics import ServeMetrics
+
+        self.llm, self.name, self.max_batch_size = llm, name, max_batch_size
+        self.max_model_len = llm.engine.max_model_len
+        self.metrics = ServeMetrics(llm)
+        self.chat_tokenizer = llm.tokenizer
+        if chat_template is not None and llm.tokenizer is not None:
+            from runtime.tokenizer import TextTokenizer
+
+            t = llm.tokenizer
+            self.chat_tokenizer = TextTokenizer(t.backend, chat_template, t.special_tokens)
+        self._slots = anyio.Semaphore(max_batch_size)
+        # One thread per request in the engine (each waits for its own deltas), plus a few for encoding.
+        self._threads = anyio.CapacityLimiter(max_batch_size + 4)
+
+    async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        import anyio
+
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
+
+    async def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        return await self.in_thread(self.llm.encode, prompt)
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        from runtime.errors import InvalidRequestError
+
+        if self.chat_tokenizer is None:
+            raise InvalidRequestError("this artifact has no tokenizer.json, so it cannot take chats; use "
+                                      "/v1/completions with token ids")
+        if self.chat_tokenizer.chat_template is None:
+            raise InvalidRequestError("this artifact's tokenizer has no chat template; restart the server with "
+                                      "--chat-template FILE, or use /v1/completions")
+        return await self.in_thread(lambda: self.llm.encode(self.chat_tokenizer.encode_chat(messages)))
+
+    async def generate(self, prompt_ids: list[int], params: Any, endpoint: str
+                       ) -> AsyncIterator[None | str | list[int] | RequestOutput]:
+        """Yields None once the request is in the engine (a bad request raises before that), then its
+        deltas (text, or token-id lists without a tokenizer), then its RequestOutput. Closing the
+        generator early (client gone, cancelled task) cancels the request and frees its blocks."""
+        import anyio
+
+        self.metrics.server_queue += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.metrics.server_queue -= 1
+        started, stream = time.perf_counter(), None
+        try:
+            with anyio.CancelScope(shield=True):     # a request in the engine must be known here, to be cancelled
+                stream = await self.in_thread(self.llm.stream, prompt_ids, params)
+            deltas = iter(stream)
+            yield None
+            while (delta := await self.in_thread(next, deltas, None)) is not None:
+                yield delta
+            yield stream.output
+        finally:
+            with anyio.CancelScope(shield=True):     # runs even when the request's task is being cancelled
+                if stream is not None:
+                    await self.in_thread(_close, stream, deltas)
+                    self.metrics.record(endpoint, stream.output, time.perf_counter() - started)
+                self._slots.release()
+
+
+def _close(stream: Any, deltas: Any) -> None:
+    """Cancel (a no-op once finished) and close the iterator, off the event loop: both take the lock."""
+    stream.cancel()
+    deltas.close()
+
+
+def load_model(config: ServeConfig) -> ServedModel:
+    """The config's LLM, ready to serve (one-line UnispecError when the artifact or a bound is unusable)."""
+    from runtime.llm import LLM
+
+    kv = None if config.kv_memory_mib is None else config.kv_memory_mib * MIB
+    llm = LLM(config.artifact_dir, backend=config.backend, max_model_len=config.max_model_len, kv_memory_bytes=kv)
+    bound = llm.manifest.max_batch_size
+    if config.max_batch_size is not None and config.max_batch_size > bound:
+        raise UnispecError(f"--max-batch-size {config.max_batch_size} is above this artifact's max_batch_size "
+                           f"{bound}; lower it or re-export with `unispec export --max-batch-size`")
+    template = config.chat_template.read_text() if config.chat_template is not None else None
+    return ServedModel(llm, name=config.model_name, max_batch_size=config.max_batch_size or bound,
+                       chat_template=template)
+
+
+def require_serve_extra() -> None:
+    """One line naming the extra when the server's libraries are missing."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        from runtime.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"unispec serve needs {', '.join(missing)}; pip install -e '.[serve]'")

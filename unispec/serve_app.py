@@ -1,0 +1,179 @@
+"""The FastAPI app of `unispec serve`: OpenAI-compatible routes over one ServedModel.
+
+    POST /v1/completions        prompt (text or token ids) -> text; `stream: true` for server-sent events
+    POST /v1/chat/completions   messages -> the tokenizer's chat template -> the assistant's reply
+    GET  /v1/models             the one served model
+    GET  /health                200 while the server takes requests
+    GET  /metrics               Prometheus text format (serve_metrics.py)
+
+A streamed reply sends one chunk per engine step that made new text visible, then a chunk with the
+finish_reason (and the token ids when `return_token_ids` is set), an optional usage chunk, and `[DONE]`.
+Every error is OpenAI-shaped JSON: 400 for a request the model cannot serve as given (bad sampling
+values, a prompt too long, a schema on an artifact without structured output), 404 for an unknown model
+or route; an unexpected failure is a one-line 500 (its traceback goes to the server's log), and the
+server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from runtime.errors import InvalidRequestError, UnispecError
+from runtime.sequence import RequestOutput
+from unispec.serve import ServeConfig, ServedModel, load_model
+from unispec.serve_protocol import APIError, ChatRequest, CompletionRequest, Reply, error_body, sse
+
+__all__ = ["build_app", "run_uvicorn"]
+
+log = logging.getLogger("unispec.serve")
+
+
+def build_app(model: ServedModel) -> FastAPI:
+    from unispec import __version__
+
+    app = FastAPI(title="unispec", version=__version__, docs_url=None, redoc_url=None)
+    _error_handlers(app, model)
+    started = int(time.time())
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        import os
+
+        return {"status": "ok", "model": model.name, "pid": os.getpid()}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": started,
+                                            "owned_by": "unispec", "max_model_len": model.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(model.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_model(model, body.model)
+        params = body.sampling_params(default_max_tokens=16)          # OpenAI's default for completions
+        ids = await _encoded(model.encode(body.single_prompt()), "prompt")
+        return await _answer(model, Reply.new("completion", model.name, body.return_token_ids), ids, params,
+                             body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        _check_model(model, body.model)
+        # a chat may run to the end of the context unless it says otherwise; the engine caps max_tokens there
+        params = body.sampling_params(default_max_tokens=model.max_model_len)
+        ids = await _encoded(model.encode_chat(body.chat()), "messages")
+        return await _answer(model, Reply.new("chat", model.name, body.return_token_ids), ids, params, body,
+                             request)
+
+    return app
+
+
+def _check_model(model: ServedModel, name: str) -> None:
+    if name != model.name:
+        raise APIError(404, f"the model `{name}` does not exist; this server serves `{model.name}`",
+                       param="model", code="model_not_found")
+
+
+async def _encoded(encoding: Any, param: str) -> list[int]:
+    try:
+        return await encoding
+    except InvalidRequestError as exc:
+        raise APIError.from_invalid(exc, param) from None
+
+
+async def _answer(model: ServedModel, reply: Reply, ids: list[int], params: Any, body: Any,
+                  request: Request) -> Response:
+    events = model.generate(ids, params, endpoint=reply.kind)
+    try:
+        await anext(events)                   # queued in the engine: a request it refuses raises here
+    except InvalidRequestError as exc:
+        raise APIError.from_invalid(exc, "response_format" if params.structured else None) from None
+    if body.stream:
+        return StreamingResponse(_stream(events, reply, body.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    async with aclosing(events):
+        async for event in events:
+            if isinstance(event, RequestOutput):
+                return JSONResponse(reply.full(event))
+            if await request.is_disconnected():
+                break                         # closing `events` cancels the request
+    return Response(status_code=499)          # nobody is listening any more
+
+
+async def _stream(events: AsyncIterator[Any], reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events; when the client disconnects, Starlette cancels this task, which closes `events`."""
+    async with aclosing(events):
+        try:
+            if reply.kind == "chat":
+                yield sse(reply.chunk("", role="assistant"))
+            async for event in events:
+                if isinstance(event, RequestOutput):
+                    yield sse(reply.chunk(output=event))
+                    if include_usage:
+                        yield sse(reply.usage_chunk(event))
+                elif isinstance(event, str):
+                    yield sse(reply.chunk(event))
+        except Exception as exc:              # the reply has started: report in the stream, as OpenAI does
+            log.exception("a streamed request failed")
+            yield sse(error_body(_one_line(exc), 500))
+        yield sse("[DONE]")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _error_handlers(app: FastAPI, model: ServedModel) -> None:
+    def reply(status: int, body: dict) -> JSONResponse:
+        model.metrics.rejected.labels(status=str(status)).inc()
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return reply(exc.status, exc.body())
+
+    @app.exception_handler(UnispecError)
+    async def unispec_error(request: Request, exc: UnispecError) -> JSONResponse:
+        return reply(400, error_body(_one_line(exc), 400))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return reply(400, error_body("the request body is not valid JSON", 400, code="invalid_json"))
+        where = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request body')}"
+        return reply(400, error_body(message, 400, param=where[0] if where else None, code="invalid_body"))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return reply(exc.status_code, error_body(message, exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request %s %s failed", request.method, request.url.path)
+        return reply(500, error_body(f"internal error: {_one_line(exc)}", 500))
+
+
+def run_uvicorn(config: ServeConfig) -> None:
+    """Serve the config's model in this process until interrupted."""
+    import uvicorn
+
+    app = build_app(load_model(config))
+    # Open streams get a few seconds to finish on Ctrl-C; then they are cut (and their requests cancelled).
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, timeout_graceful_shutdown=5)
