@@ -29,10 +29,19 @@ Noise `[B, K+1, NOISE_CHANNELS]` holds uniforms in [0, 1) from each request's ow
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from plugins.spec_accept.bitmask import apply_bitmask
-from plugins.spec_accept.truncation import PROB_DTYPE, is_greedy, sample_inverse_cdf, truncated_probs
+from plugins.spec_accept.truncation import (
+    PROB_DTYPE,
+    Ranking,
+    is_greedy,
+    needs_ranking,
+    sample_inverse_cdf,
+    truncate,
+)
 
 NOISE_CHANNELS = 3
 NOISE_TARGET = 0    # position i < K: y_i (sample-and-match) or the coin u_i (rejection); i = K: the bonus
@@ -86,26 +95,30 @@ def verify(
     draft_logit = logits[:, :num_drafts].gather(-1, drafts[..., None])[..., 0]     # [B, K]
 
     def sampled_rows(logits: torch.Tensor, drafts: torch.Tensor, has_draft: torch.Tensor, noise: torch.Tensor,
-                     *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        params, optional = rest[:4], iter(rest[4:])
-        probs = next(optional) if draft_probs is not None else None
-        target = truncated_probs(logits, *params)                                  # [B, K+1, V]
+                     *rest: torch.Tensor, ranking: Ranking) -> tuple[torch.Tensor, ...]:
+        params, probs = rest[:4], (rest[4] if draft_probs is not None else None)
+        target, complete = truncate(logits, *params, ranking)                      # [B, K+1, V], []
         accepted, candidates = _strict_verdict(target, drafts, has_draft, noise, probs)
-        if in_thinking_phase is not None:
-            relaxed = relaxed_verdict(logits[:, :num_drafts], drafts, top_n=relaxed_top_n, delta=relaxed_delta)
-            accepted = accepted | (next(optional)[:, None] & relaxed)
-        return accepted, candidates
+        return accepted, candidates, complete
 
-    def greedy_rows_only(logits: torch.Tensor, drafts: torch.Tensor, *_: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.zeros_like(drafts, dtype=torch.bool), logits.argmax(dim=-1)   # replaced below
+    def greedy_rows_only(logits: torch.Tensor, drafts: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # every row is greedy: both outputs are replaced below, so no argmax here
+        return (torch.zeros_like(drafts, dtype=torch.bool), torch.zeros_like(logits[..., 0], dtype=torch.int64),
+                torch.ones((), dtype=torch.bool))
 
     # The sampled verdict (softmax, truncation, inverse CDF in float64) runs only when some row samples:
-    # an all-greedy step skips it (torch.cond, an ONNX If).
+    # an all-greedy step skips it (ONNX Ifs, see _when_sampled).
     greedy = is_greedy(temperature)[:, None]                                       # [B, 1]
     operands = (logits, drafts, has_draft, noise, *params,
-                *(t for t in (draft_probs, in_thinking_phase) if t is not None))
-    accepted, candidates = torch.cond((~greedy).any(), sampled_rows, greedy_rows_only, operands)
+                *(() if draft_probs is None else (draft_probs,)))
+    accepted, candidates = _when_sampled((~greedy).any(), needs_ranking(top_k, top_p, logits.shape[-1]),
+                                         sampled_rows, greedy_rows_only, operands)
+    if in_thinking_phase is not None:
+        # Outside every If, so it runs each step (a float64 softmax over [B, K, V]): TensorRT-RTX 1.7 cannot
+        # build it inside one, alone or in the sampled verdict's (Myelin: "data-dependent shapes are only
+        # allowed in the top-level scope"). Only sampled rows in their thinking phase use it.
+        relaxed = relaxed_verdict(logits[:, :num_drafts], drafts, top_n=relaxed_top_n, delta=relaxed_delta)
+        accepted = accepted | (in_thinking_phase[:, None] & ~greedy & relaxed)
 
     argmax = logits.argmax(dim=-1)                                                 # [B, K+1]
     # Boolean select by logic ops: ONNX Runtime has no CPU kernel for Where over bool.
@@ -125,15 +138,59 @@ def _plain_decoding(logits: torch.Tensor, temperature: torch.Tensor, params: lis
     mis-shapes in several ops (Gather, ReduceMax) when the graph is run."""
     greedy = is_greedy(temperature)                                                                  # [B]
 
-    def some_sampled(logits: torch.Tensor, noise: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        sampled = sample_inverse_cdf(truncated_probs(logits, *params), noise[..., NOISE_TARGET])[:, 0]  # [B]
-        return torch.where(greedy, logits[:, 0].argmax(dim=-1), sampled)
+    def some_sampled(logits: torch.Tensor, noise: torch.Tensor, *params: torch.Tensor, ranking: Ranking
+                     ) -> tuple[torch.Tensor, ...]:
+        probs, complete = truncate(logits, *params, ranking)                                        # [B, 1, V]
+        return sample_inverse_cdf(probs, noise[..., NOISE_TARGET])[:, 0], complete                  # [B], []
 
-    def all_greedy(logits: torch.Tensor, noise: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        return logits[:, 0].argmax(dim=-1)
+    def all_greedy(logits: torch.Tensor, noise: torch.Tensor, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.zeros_like(logits[:, 0, 0], dtype=torch.int64), torch.ones((), dtype=torch.bool)
 
-    next_tokens = torch.cond((~greedy).any(), some_sampled, all_greedy, (logits, noise, *params))  # [B]
+    top_k, top_p = params[1], params[2]
+    (sampled,) = _when_sampled((~greedy).any(), needs_ranking(top_k, top_p, logits.shape[-1]), some_sampled,
+                               all_greedy, (logits, noise, *params))                                # [B]
+    next_tokens = torch.where(greedy, logits[:, 0].argmax(dim=-1), sampled)                         # [B]
     return torch.zeros_like(next_tokens), next_tokens
+
+
+def _when_sampled(
+    some_sampled: torch.Tensor,  # [] bool
+    ranks: torch.Tensor,         # [] bool, needs_ranking(...)
+    sampled_fn: Callable[..., tuple[torch.Tensor, ...]],   # (*operands, ranking=) -> (*outputs, complete [])
+    greedy_fn: Callable[..., tuple[torch.Tensor, ...]],    # (*operands) -> (*outputs, True)
+    operands: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, ...]:
+    """torch.cond(some_sampled, sampled_fn, greedy_fn) with the truncation's ranking chosen as three sibling
+    Ifs (TensorRT-RTX cannot build an If nested in an If branch, nor a TopK of data-dependent width in one;
+    truncation.py):
+
+        If(sampled & ~ranks)               ── sampled_fn(ranking="none")       | greedy_fn
+        If(sampled &  ranks)               ── sampled_fn(ranking="candidates") | greedy_fn ── complete
+        If(sampled &  ranks & ~complete)   ── sampled_fn(ranking="exact")      | greedy_fn
+        outputs: ranks ? (complete ? candidates : exact) : none
+
+    At most two run their sampled branch; greedy_fn's results are cheap placeholders the caller replaces.
+    """
+    def plain(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return sampled_fn(*args, ranking="none")
+
+    def candidates(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return sampled_fn(*args, ranking="candidates")
+
+    def exact(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return sampled_fn(*args, ranking="exact")
+
+    *plain_out, _ = torch.cond(some_sampled & ~ranks, plain, greedy_fn, operands)
+    *candidate_out, complete = torch.cond(some_sampled & ranks, candidates, greedy_fn, operands)
+    *exact_out, _ = torch.cond(some_sampled & ranks & ~complete, exact, greedy_fn, operands)
+    ranked_out = [_select(complete, a, b) for a, b in zip(candidate_out, exact_out)]
+    return tuple(_select(ranks, a, b) for a, b in zip(ranked_out, plain_out))
+
+
+def _select(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """condition ? a : b for a scalar condition; bool tensors by logic ops (ONNX Runtime has no CPU kernel
+    for Where over bool)."""
+    return (condition & a) | (~condition & b) if a.dtype == torch.bool else torch.where(condition, a, b)
 
 
 def _strict_verdict(

@@ -19,15 +19,20 @@ inverse-CDF boundary across a uniform with probability ~V * 1e-7 per sample (an 
 ~V * 1e-16, so the same noise gives the same tokens on every backend in practice. TensorRT runs the
 SpecAccept plugin instead of this decomposition.
 
-Cost: no full sort in the common case. The thresholds only need the largest probabilities: one TopK of
-`width` = the batch's largest top-k (at least NUCLEUS_CANDIDATES when a row uses top-p; 1 when no row
-truncates by rank or mass), like MAX's `max_k`. When some row's nucleus is not complete inside those, the
-step takes the exact path, a TopK over the whole vocabulary (what a full sort cost: ~0.4 s for 8 rows x
-4 positions x 128k tokens on two cores). Both are branch-free (a data-dependent TopK width, no ONNX If),
-so the verdict's own If never holds another one (TensorRT-RTX cannot build nested Ifs).
+Cost: no full sort in the common case. The floors only need the largest probabilities, so a step ranks
+in one of three ways (`Ranking`), each with static shapes, which the caller (acceptance.py) runs as
+sibling ONNX Ifs (TensorRT-RTX can build neither an If nested in an If nor a data-dependent TopK width
+inside one):
+- "none": no row truncates by rank or mass (top-k and top-p off, min-p needs no sort): no TopK;
+- "candidates": one TopK of NUCLEUS_CANDIDATES, like MAX's `max_k`; exact for every row whose top-k is
+  at most that and whose nucleus is complete inside it, which `complete` reports;
+- "exact": a TopK over the whole vocabulary (a full sort: ~0.4 s for 8 rows x 4 positions x 128k tokens on
+  two cores), run only when "candidates" was not complete for some row.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 
@@ -35,14 +40,23 @@ GREEDY_TEMPERATURE = 1e-5
 PROB_DTYPE = torch.float64
 NUCLEUS_CANDIDATES = 256   # top-p reads its nucleus off this many largest probabilities before a full sort
 
+Ranking = Literal["none", "candidates", "exact"]
+
 __all__ = [
-    "GREEDY_TEMPERATURE", "PROB_DTYPE", "is_greedy", "sample_inverse_cdf", "truncated_probs",
+    "GREEDY_TEMPERATURE", "NUCLEUS_CANDIDATES", "PROB_DTYPE", "Ranking", "is_greedy", "needs_ranking",
+    "sample_inverse_cdf", "truncate", "truncated_probs",
 ]
 
 
 def is_greedy(temperature: torch.Tensor) -> torch.Tensor:
     """Rows decoded by argmax: bool, same shape as `temperature`."""
     return temperature < GREEDY_TEMPERATURE
+
+
+def needs_ranking(top_k: torch.Tensor, top_p: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[] bool: some row truncates by rank (0 < top_k < V) or by mass (top_p < 1), so ranking "none" is
+    not exact for the step."""
+    return (((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0)).any()
 
 
 def truncated_probs(
@@ -52,69 +66,53 @@ def truncated_probs(
     top_p: torch.Tensor,        # [...] float32
     min_p: torch.Tensor,        # [...] float32
 ) -> torch.Tensor:
-    """The truncated, renormalized target distribution: [..., V] float64."""
+    """The truncated, renormalized target distribution: [..., V] float64 (exact ranking)."""
+    return truncate(logits, temperature, top_k, top_p, min_p, "exact")[0]
+
+
+def truncate(
+    logits: torch.Tensor,       # [..., V] float32, forbidden tokens already -inf
+    temperature: torch.Tensor,  # [...] float32
+    top_k: torch.Tensor,        # [...] int64
+    top_p: torch.Tensor,        # [...] float32
+    min_p: torch.Tensor,        # [...] float32
+    ranking: Ranking,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(truncated, renormalized distribution [..., V] float64, complete [] bool): the distribution is the
+    exact one (truncated_probs) wherever `complete`, which "exact" always is."""
     safe_temperature = torch.where(is_greedy(temperature), torch.ones_like(temperature), temperature)
     scaled = logits.to(PROB_DTYPE) / safe_temperature.to(PROB_DTYPE)[..., None]   # [..., V]
     probs = torch.softmax(scaled, dim=-1)                                          # [..., V]
-    threshold = _keep_threshold(probs, top_k, top_p, min_p)                        # [...]
-    kept = torch.where(probs >= threshold[..., None], probs, torch.zeros_like(probs))
-    return kept / kept.sum(dim=-1, keepdim=True)
-
-
-def _keep_threshold(
-    probs: torch.Tensor,   # [..., V] float64, tempered
-    top_k: torch.Tensor,   # [...]
-    top_p: torch.Tensor,   # [...]
-    min_p: torch.Tensor,   # [...]
-) -> torch.Tensor:
-    """Smallest probability a token may have and survive all three filters: [...]."""
     vocab_size = probs.shape[-1]
     k = torch.where((top_k <= 0) | (top_k >= vocab_size), torch.full_like(top_k, vocab_size), top_k)
     p_max = probs.amax(dim=-1)                                                     # [...]
-    floor = _ranked_floor(probs, k, top_p)                                         # [...]
-    min_p_floor = min_p.to(PROB_DTYPE) * p_max                                     # [...]
-    return torch.minimum(torch.maximum(floor, min_p_floor), p_max)
+    if ranking == "none":
+        floor, complete = torch.zeros_like(p_max), ~needs_ranking(top_k, top_p, vocab_size)
+    else:
+        width = vocab_size if ranking == "exact" else min(NUCLEUS_CANDIDATES, vocab_size)
+        floor, row_complete = _ranked_floor(probs, k, top_p, width)                # [...] each
+        complete = row_complete.all()
+    threshold = torch.minimum(torch.maximum(floor, min_p.to(PROB_DTYPE) * p_max), p_max)   # [...]
+    kept = torch.where(probs >= threshold[..., None], probs, torch.zeros_like(probs))
+    return kept / kept.sum(dim=-1, keepdim=True), complete
 
 
-def _ranked_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """max(k-th largest probability, top-p nucleus floor): [...]; k in 1..V.
+def _ranked_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+                  width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max(k-th largest probability, top-p nucleus floor) [...], whether the `width` largest
+    probabilities sufficed to find it [...]); k in 1..V (V = off).
 
-    Read off the `width` largest probabilities (one TopK, no full sort): width = the largest k of a row
-    that truncates by rank, at least NUCLEUS_CANDIDATES when a row truncates by mass, 1 when none does.
-    A nucleus that needs more than `width` tokens (its mass not reached inside them) makes the whole step
-    take the exact path instead: a second TopK over the entire vocabulary (else of width 1, unused).
-    Branch-free (no ONNX If), so it may sit inside the verdict's If, which TensorRT needs. ONNX Runtime's
-    TopK costs ~20-40 ns per element scanned at k = 64-256 and ~45 ns at k = V (measured, float64), so the
-    candidate count matters: 256 covers the top-p 0.95 nucleus at temperature 0.7 of the bundled models
-    (median 18 tokens, max 163 over 16 prompts x 48 tokens).
+    Same values as a full sort wherever complete: the k-th largest and the nucleus' last value are read off
+    the sorted prefix; the exclusive cumulative mass of a prefix is the full sort's (a sequential cumsum).
+    A top-p row's count of tokens before the budget is exact when the prefix's mass already reaches the
+    budget. ONNX Runtime's TopK costs ~20-40 ns per element scanned at k = 64-256 and ~45 ns at k = V
+    (measured, float64); 256 candidates cover the top-p 0.95 nucleus at temperature 0.7 of the bundled
+    models (median 18 tokens, max 163 over 16 prompts x 48 tokens).
     """
     vocab_size = probs.shape[-1]
-    one = torch.ones_like(k)
-    need_rank = torch.where(k < vocab_size, k, one)                                # [...]
-    need_mass = torch.where(top_p < 1.0, one * NUCLEUS_CANDIDATES, one)            # [...]
-    width = torch.maximum(need_rank, need_mass).max().clamp(max=vocab_size)        # [] in 1..V
-    floor, complete = _floor_from_top(probs, k, top_p, width)                      # [...] each
-    # The exact path costs a TopK of 1 (a max) unless some nucleus outgrew the candidates.
-    complete = complete.all()                                                      # []
-    exact_width = torch.where(complete, torch.ones_like(width), torch.full_like(width, vocab_size))
-    return torch.where(complete, floor, _floor_from_top(probs, k, top_p, exact_width)[0])
-
-
-def _floor_from_top(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
-                    width: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(floor [...], whether the `width` largest probabilities sufficed to find it [...]).
-
-    Same values as a full sort: the k-th largest and the nucleus' last value are read off the sorted
-    prefix; the exclusive cumulative mass of a prefix is the full sort's (a sequential cumsum). A top-p
-    row's count of tokens before the budget is exact when the prefix's mass already reaches the budget.
-    """
-    vocab_size = probs.shape[-1]
-    w = width.item()
-    torch._check(w >= 1)
-    torch._check(w <= vocab_size)
-    ranked = torch.topk(probs, w, dim=-1).values                                   # [..., w] descending
-    everything = width == vocab_size                                               # [] bool
-    kth_rank = ranked.gather(-1, (torch.minimum(k, width) - 1)[..., None])[..., 0]  # k <= width where k < V
+    everything = width == vocab_size
+    ranked = torch.topk(probs, width, dim=-1).values                               # [..., w] descending
+    kth_rank = ranked.gather(-1, (k.clamp(max=width) - 1)[..., None])[..., 0]      # right where k <= width
     kth = torch.where(k < vocab_size, kth_rank, probs.amin(dim=-1))               # [...]
     in_top_k = torch.where(ranked >= kth[..., None], ranked, torch.zeros_like(ranked))   # [..., w]
 
@@ -123,19 +121,22 @@ def _floor_from_top(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
     before = torch.cat([torch.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], dim=-1)
     # Mass of the top-k set: the prefix holds all of it unless tokens tied with (or, without top-k, below)
     # the k-th value lie past the prefix; then it is summed over the vocabulary.
-    whole = (ranked[..., -1] < kth) | everything                                   # [...]
+    whole = ranked[..., -1] < kth                                                  # [...]
+    if everything:
+        whole = torch.ones_like(whole)
     mass_all = torch.where(probs >= kth[..., None], probs, torch.zeros_like(probs)).sum(dim=-1)
     mass = torch.where(whole, cumulative[..., -1], mass_all)                       # [...]
     budget = top_p.to(PROB_DTYPE) * mass                                           # [...]
     num_nucleus = (before < budget[..., None]).sum(dim=-1, keepdim=True).clamp(min=1)   # [..., 1]
     nucleus_floor = ranked.gather(-1, num_nucleus - 1)[..., 0]                     # [...]
     nucleus_floor = torch.where(top_p >= 1.0, torch.zeros_like(nucleus_floor), nucleus_floor)
-    complete = (top_p >= 1.0) | (cumulative[..., -1] >= budget) | everything
+    complete = ((k >= vocab_size) | (k <= width)) & ((top_p >= 1.0) | (cumulative[..., -1] >= budget))
+    if everything:
+        complete = torch.ones_like(complete)
     return torch.maximum(kth, nucleus_floor), complete
 
 
-def sample_inverse_cdf(
-    weights: torch.Tensor,  # [..., V] >= 0, not necessarily normalized, some entry > 0
+def sample_inverse_cdf(    weights: torch.Tensor,  # [..., V] >= 0, not necessarily normalized, some entry > 0
     uniform: torch.Tensor,  # [...] in [0, 1)
 ) -> torch.Tensor:
     """Token whose CDF interval holds `uniform * total`: [...] int64.

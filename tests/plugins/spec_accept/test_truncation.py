@@ -86,16 +86,45 @@ def _full_sort_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) 
 
 
 @pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])   # flat (the nucleus outgrows the candidates) to peaked
-def test_the_bounded_candidate_set_gives_the_full_sort_floor(scale: float) -> None:
+def test_the_bounded_candidate_set_gives_the_full_sort_floor_where_it_says_complete(scale: float) -> None:
     from plugins.spec_accept.truncation import NUCLEUS_CANDIDATES, _ranked_floor
 
     g = torch.Generator().manual_seed(int(scale * 10))
     vocab = 4 * NUCLEUS_CANDIDATES
     logits = (torch.randn(6, 3, vocab, generator=g, dtype=torch.float64) * scale).round(decimals=1)  # ties
     probs = torch.softmax(logits, dim=-1)
-    for k_max, p in ((vocab, 1.0), (vocab, 0.9), (5, 1.0), (9, 0.5), (vocab, 0.3), (200, 0.99)):
+    seen = {True: 0, False: 0}
+    for k_max, p in ((vocab, 1.0), (vocab, 0.9), (5, 1.0), (9, 0.5), (vocab, 0.3), (200, 0.99), (vocab - 1, 1.0)):
         k = torch.randint(1, k_max + 1, (6, 3), generator=g).clamp(max=vocab)
         k[0] = vocab                                                   # rows without top-k beside rows with it
         top_p = torch.rand(6, 3, generator=g) * (1 - p) + p if p < 1 else torch.ones(6, 3)
         want = _full_sort_floor(probs, k, top_p)
-        assert torch.equal(_ranked_floor(probs, k, top_p), want)
+        exact, exact_complete = _ranked_floor(probs, k, top_p, vocab)
+        assert torch.equal(exact, want) and bool(exact_complete.all())
+        got, complete = _ranked_floor(probs, k, top_p, NUCLEUS_CANDIDATES)
+        assert torch.equal(got[complete], want[complete])
+        # incomplete exactly where the floor needs ranks past the candidates
+        needs_more = ((k > NUCLEUS_CANDIDATES) & (k < vocab)) | (
+            (top_p < 1) & (torch.sort(probs, descending=True).values[..., NUCLEUS_CANDIDATES - 1] > want))
+        assert not bool((complete & needs_more).any())
+        for c in complete.flatten().tolist():
+            seen[c] += 1
+    assert seen[True] and seen[False]                                  # both paths were exercised
+
+
+@pytest.mark.parametrize("ranking", ["none", "candidates"])
+def test_every_ranking_equals_the_exact_distribution_when_complete(ranking: str) -> None:
+    from plugins.spec_accept.truncation import truncate
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 600, generator=g) * 3
+    for t, k, p, m in ((0.7, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.1), (1.0, 40, 1.0, 0.0), (0.7, 0, 0.95, 0.0),
+                       (0.7, 300, 1.0, 0.0), (2.0, 0, 0.999, 0.0)):
+        params = (torch.full((5,), t), torch.full((5,), k, dtype=torch.int64), torch.full((5,), p),
+                  torch.full((5,), m))
+        want = truncated_probs(logits, *params)
+        got, complete = truncate(logits, *params, ranking)
+        if bool(complete):
+            assert torch.equal(got, want)
+        else:   # "none" cannot rank; "candidates" only misses top-k past it or a nucleus outgrowing it
+            assert ranking == "none" and (k or p < 1) or ranking == "candidates" and (k > 256 or p > 0.99)
