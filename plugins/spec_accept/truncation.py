@@ -89,18 +89,18 @@ def truncate(
     if ranking == "none":
         floor, complete = torch.zeros_like(p_max), ~needs_ranking(top_k, top_p, vocab_size)
     else:
-        width = vocab_size if ranking == "exact" else min(NUCLEUS_CANDIDATES, vocab_size)
-        floor, row_complete = _ranked_floor(probs, k, top_p, width)                # [...] each
+        floor, row_complete = _ranked_floor(probs, k, top_p, exact=ranking == "exact")   # [...] each
         complete = row_complete.all()
     threshold = torch.minimum(torch.maximum(floor, min_p.to(PROB_DTYPE) * p_max), p_max)   # [...]
     kept = torch.where(probs >= threshold[..., None], probs, torch.zeros_like(probs))
     return kept / kept.sum(dim=-1, keepdim=True), complete
 
 
-def _ranked_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
-                  width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max(k-th largest probability, top-p nucleus floor) [...], whether the `width` largest
-    probabilities sufficed to find it [...]); k in 1..V (V = off).
+def _ranked_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, *,
+                  exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max(k-th largest probability, top-p nucleus floor) [...], whether the ranked prefix sufficed to find
+    it [...]); k in 1..V (V = off). The prefix is the whole vocabulary when `exact`, else the
+    NUCLEUS_CANDIDATES largest probabilities (zeros past V in a smaller vocabulary).
 
     Same values as a full sort wherever complete: the k-th largest and the nucleus' last value are read off
     the sorted prefix; the exclusive cumulative mass of a prefix is the full sort's (a sequential cumsum).
@@ -108,11 +108,19 @@ def _ranked_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
     budget. ONNX Runtime's TopK costs ~20-40 ns per element scanned at k = 64-256 and ~45 ns at k = V
     (measured, float64); 256 candidates cover the top-p 0.95 nucleus at temperature 0.7 of the bundled
     models (median 18 tokens, max 163 over 16 prompts x 48 tokens).
+
+    Nothing here branches in Python on the vocabulary size: SpecAccept's reference function is traced once
+    at a small vocabulary with every dim dynamic, and such a branch would be frozen at the traced size.
     """
     vocab_size = probs.shape[-1]
-    everything = width == vocab_size
-    ranked = torch.topk(probs, width, dim=-1).values                               # [..., w] descending
-    kth_rank = ranked.gather(-1, (k.clamp(max=width) - 1)[..., None])[..., 0]      # right where k <= width
+    if exact:
+        width, ranked = vocab_size, torch.sort(probs, dim=-1, descending=True).values   # [..., V]
+    else:
+        width = NUCLEUS_CANDIDATES
+        padded = torch.nn.functional.pad(probs, (0, NUCLEUS_CANDIDATES))          # [..., V + w] for V < w
+        ranked = torch.topk(padded, NUCLEUS_CANDIDATES, dim=-1).values            # [..., w] descending
+    rank = k - 1 if exact else k.clamp(max=width) - 1                             # right where k <= width
+    kth_rank = ranked.gather(-1, rank[..., None])[..., 0]
     kth = torch.where(k < vocab_size, kth_rank, probs.amin(dim=-1))               # [...]
     in_top_k = torch.where(ranked >= kth[..., None], ranked, torch.zeros_like(ranked))   # [..., w]
 
@@ -122,7 +130,7 @@ def _ranked_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
     # Mass of the top-k set: the prefix holds all of it unless tokens tied with (or, without top-k, below)
     # the k-th value lie past the prefix; then it is summed over the vocabulary.
     whole = ranked[..., -1] < kth                                                  # [...]
-    if everything:
+    if exact:
         whole = torch.ones_like(whole)
     mass_all = torch.where(probs >= kth[..., None], probs, torch.zeros_like(probs)).sum(dim=-1)
     mass = torch.where(whole, cumulative[..., -1], mass_all)                       # [...]
@@ -131,7 +139,7 @@ def _ranked_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
     nucleus_floor = ranked.gather(-1, num_nucleus - 1)[..., 0]                     # [...]
     nucleus_floor = torch.where(top_p >= 1.0, torch.zeros_like(nucleus_floor), nucleus_floor)
     complete = ((k >= vocab_size) | (k <= width)) & ((top_p >= 1.0) | (cumulative[..., -1] >= budget))
-    if everything:
+    if exact:
         complete = torch.ones_like(complete)
     return torch.maximum(kth, nucleus_floor), complete
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Benchmarks every bundled pair (models/, `make models`) on ONNX Runtime CPU against its target-only artifact
 # and the peers; figures go to docs/bench/<pair>.{json,png}. Usage: tests/bench/bundled.sh [pair ...]
-# (pairs: llama3-dflash llama3-eagle3 deepseek-v3-mtp deepseek-v3-eagle3 gemma4-mtp). About 20 minutes on 2 cores.
+# (pairs: llama3-dflash llama3-eagle3 deepseek-v3-mtp deepseek-v3-eagle3 gemma4-mtp). Engines interleaved, 1 intra-op thread; PEERS=transformers,ort-genai adds transformers (slow).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 UNISPEC=${UNISPEC:-.venv/bin/unispec}
 ART=${ART:-artifacts/bench}
 OUT=${OUT:-docs/bench}
-BENCH_ARGS=${BENCH_ARGS:-"--batch-sizes 1,4,16 --temperature 0,0.7 --repeats 3 --max-tokens 64"}
+BENCH_ARGS=${BENCH_ARGS:-"--batch-sizes 1,4,16 --temperature 0,0.7 --top-p 0.95 --repeats 16 --max-tokens 64 --threads 1"}
 mkdir -p "$ART" "$OUT"
 
 export_once() {  # name target draft method k
@@ -18,7 +18,7 @@ export_once() {  # name target draft method k
 bench() {  # pair target draft method k [peers]
   export_once "$1" "$2" "$3" "$4" "$5"
   export_once "$2-none" "$2" "" none 0
-  $UNISPEC bench "$ART/$1" --baseline "$ART/$2-none" $BENCH_ARGS --peers "${6:-transformers,ort-genai}" \
+  $UNISPEC bench "$ART/$1" --baseline "$ART/$2-none" $BENCH_ARGS --peers "${PEERS:-${6:-ort-genai}}" \
     --json "$OUT/$1.json" --plot "$OUT/$1.png" | tee "$OUT/$1.txt"
 }
 

@@ -99,9 +99,9 @@ def test_the_bounded_candidate_set_gives_the_full_sort_floor_where_it_says_compl
         k[0] = vocab                                                   # rows without top-k beside rows with it
         top_p = torch.rand(6, 3, generator=g) * (1 - p) + p if p < 1 else torch.ones(6, 3)
         want = _full_sort_floor(probs, k, top_p)
-        exact, exact_complete = _ranked_floor(probs, k, top_p, vocab)
+        exact, exact_complete = _ranked_floor(probs, k, top_p, exact=True)
         assert torch.equal(exact, want) and bool(exact_complete.all())
-        got, complete = _ranked_floor(probs, k, top_p, NUCLEUS_CANDIDATES)
+        got, complete = _ranked_floor(probs, k, top_p, exact=False)
         assert torch.equal(got[complete], want[complete])
         # incomplete exactly where the floor needs ranks past the candidates
         needs_more = ((k > NUCLEUS_CANDIDATES) & (k < vocab)) | (
