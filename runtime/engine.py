@@ -17,13 +17,12 @@ per generating step (zeros otherwise), so seeded output does not depend on the b
 prompt was chunked, or on preemptions; `token_bitmask` from its grammar (runtime/structured.py);
 `in_thinking_phase` from its think-token tracking when it opted into relaxed acceptance.
 
-Adaptive speculation (runtime/speculation.py): a step runs either the speculative graph or, when the
-artifact has one, its target-only graph (K = 0: no drafts verified or proposed, the commit rule with
-K = 0, the draft pool left alone). A row remembers how far its draft KV reaches (`draft_len`); before a
-speculative step, a row that decoded target-only since is rolled back to it and recomputed, like a
-preempted one. `speculation="auto"` chooses per step from measured step times and acceptance;
-"always" / "never" force one graph. With adaptive speculation, which tokens a seeded sampled request
-gets depends on which graph ran each step (both are exact samples of the target).
+Adaptive speculation (runtime/speculation.py): a step runs the speculative graph or the artifact's
+target-only graph (K = 0, the draft pool left alone). A row remembers how far its draft KV reaches
+(`draft_len`); before a speculative step, a row that decoded target-only since is rolled back to it and
+recomputed, like a preempted one. `speculation="auto"` chooses per step from measured step times and
+acceptance; "always" / "never" force one graph. Under "auto" a seeded sampled request's tokens depend on
+which graph ran each step (both are exact samples of the target).
 """
 
 from __future__ import annotations

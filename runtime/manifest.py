@@ -52,17 +52,15 @@ MIN_P = "min_p"                          # f32 [B]
 NOISE = "noise"                          # f32 [B, K+1, C]
 IN_THINKING_PHASE = "in_thinking_phase"  # bool [B]
 TOKEN_BITMASK = "token_bitmask"          # int32 [B, K+1, ceil(V/32)] (structured-output artifacts only)
-# f32 [B, K, V]: q_i, the distribution draft_tokens[b, i] was sampled from (the previous step's
-# next_draft_probs; any values in rows without drafts). Graphs with K >= 1 exported since sampled drafts;
-# older artifacts lack it and verify argmax drafts by sample-and-match.
+# f32 [B, K, V]: q_i that draft_tokens[b, i] was sampled from (the last step's next_draft_probs). K >= 1
+# graphs since sampled drafts; older artifacts lack it and verify argmax drafts by sample-and-match.
 DRAFT_PROBS = "draft_probs"
 
 # --- outputs ------------------------------------------------------------------------------------------
 NUM_ACCEPTED = "num_accepted"            # int64 [B]
 NEXT_TOKENS = "next_tokens"              # int64 [B]
 NEXT_DRAFT_TOKENS = "next_draft_tokens"  # int64 [B, K]
-NEXT_DRAFT_PROBS = "next_draft_probs"    # f32 [B, K, V]: q of next_draft_tokens (greedy rows: onehot or zeros,
-                                         # both read as a deterministic draft)
+NEXT_DRAFT_PROBS = "next_draft_probs"    # f32 [B, K, V]: q of next_draft_tokens (greedy rows: onehot or 0)
 KV_DELTA = "kv_delta"                    # [S + B*K, L, W]
 FULL_KV_DELTA = "full_kv_delta"          # [S + B*K, L_full, W_full] (Gemma 4)
 DRAFT_KV_DELTA = "draft_kv_delta"        # [S + B*K, Ld, Wd]

@@ -42,6 +42,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 
 _CHECKPOINT_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
+_SPECULATION = click.Choice(("auto", "always", "never"))
 
 
 @main.command()
@@ -58,18 +59,15 @@ _CHECKPOINT_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
                    "a directory holding anything else is refused).")
 @click.option("--force", is_flag=True,
               help="Write into an --out that holds other files: only files with an artifact's names are replaced.")
-@click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), default="float32",
-              show_default=True, help="Weights and KV pools.")
+@click.option("--dtype", type=click.Choice(("float32", "float16", "bfloat16")), default="float32", show_default=True)
 @click.option("--structured-output", is_flag=True, help="Add the token_bitmask input for grammars.")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV pool block.")
-@click.option("--max-model-len", type=int, default=2048, show_default=True,
-              help="Longest sequence (prompt + output) a request may reach.")
+@click.option("--max-model-len", type=int, default=2048, show_default=True, help="Longest prompt + output.")
 @click.option("--max-batch-size", type=int, default=16, show_default=True, help="Most rows per step.")
 @click.option("--max-tokens-per-step", type=int, default=512, show_default=True,
               help="Most new tokens per step over all rows (the prefill chunk budget).")
 @click.option("--target-only/--no-target-only", default=True, show_default=True,
-              help="Speculative methods: also write the target-only graph, so the runtime can decode without "
-                   "drafts when they do not pay (adaptive speculation).")
+              help="Speculative methods: also write the target-only graph (adaptive speculation).")
 def export(**options: Any) -> None:
     """Export a target (+ draft) checkpoint to an ONNX artifact directory."""
     from export.artifact import export_model
@@ -123,7 +121,7 @@ def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, fla
               help="Constrain the output to the JSON schema in this file (needs --structured-output at export).")
 @click.option("--chat/--no-chat", default=True, show_default=True,
               help="Use the tokenizer's chat template, when it has one, for --prompt.")
-@click.option("--speculation", type=click.Choice(("auto", "always", "never")), default="auto", show_default=True,
+@click.option("--speculation", type=_SPECULATION, default="auto", show_default=True,
               help="auto: each step speculative or target-only, whichever is measured faster; or force one.")
 def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend: str, json_schema: Path | None,
         chat: bool, speculation: str, **sampling: Any) -> None:
@@ -230,13 +228,12 @@ def _peer_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
               default="0,0.7", show_default=True, help="Comma-separated temperatures (0 = greedy).")
 @click.option("--top-p", type=float, default=1.0, show_default=True,
               help="top-p of unispec's sampled rows (1 = off; the peers sample without it).")
-@click.option("--speculation", type=click.Choice(("auto", "always", "never")), default="auto", show_default=True,
+@click.option("--speculation", type=_SPECULATION, default="auto", show_default=True,
               help="The artifact's engine: each step speculative or target-only as measured faster, or forced.")
 @click.option("--repeats", type=int, default=16, show_default=True,
               help="Timed passes per engine and cell (after one warm-up); pass r takes the next prompts.")
 @click.option("--interleave/--sequential", default=True, show_default=True,
-              help="Alternate the engines within each repeat and take medians of per-repeat speedups (robust on "
-                   "a shared machine), or run each engine's passes back to back.")
+              help="Engines alternate within each repeat (speedups: medians of per-repeat ratios), or not.")
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="New tokens per request.")
 @click.option("--threads", type=int, default=None, show_default="all cores",
               help="Intra-op threads for ONNX Runtime, torch and onnxruntime-genai alike.")
