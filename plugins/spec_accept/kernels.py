@@ -151,10 +151,18 @@ def _inverse_cdf(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, thres
         v = v0 + tl.arange(0, BLOCK_V)
         p = _probs(row_ptr, mask_ptr, v, vocab_size, use_mask, inv_t, s_max, z, HAS_BITMASK)
         w = tl.where(p >= threshold, p, 0.0) / kept_mass
-        cdf = carry + tl.cumsum(w, axis=0)
-        count += tl.sum(((cdf <= target) & (v < vocab_size)).to(tl.int64), axis=0)
-        last = tl.maximum(last, tl.max(tl.where(w > 0, v, 0), axis=0).to(tl.int64))
-        carry = tl.max(tl.where(v < vocab_size, cdf, 0.0), axis=0)                    # cdf is non-decreasing
+        carry, count, last = _cdf_block(carry, count, last, w, v, vocab_size, target)
+    return carry, count, last
+
+
+@triton.jit
+def _cdf_block(carry, count, last, w, v, vocab_size, target):
+    """One block of an inverse-CDF scan over weights w at ids v: the running (cdf total, #{cdf <= target},
+    last id with w > 0) after it."""
+    cdf = carry + tl.cumsum(w, axis=0)
+    count += tl.sum(((cdf <= target) & (v < vocab_size)).to(tl.int64), axis=0)
+    last = tl.maximum(last, tl.max(tl.where(w > 0, v, 0), axis=0).to(tl.int64))
+    carry = tl.max(tl.where(v < vocab_size, cdf, 0.0), axis=0)                        # cdf is non-decreasing
     return carry, count, last
 
 
@@ -210,10 +218,7 @@ def _residual_scan(row_ptr, mask_ptr, q_ptr, vocab_size, use_mask, inv_t, s_max,
         q = tl.where(onehot, tl.where(v == draft, 1.0, 0.0), q)
         w = tl.where(use_target, target_p, tl.maximum(target_p - q, 0.0))
         w = tl.where(v < vocab_size, w, 0.0)
-        cdf = carry + tl.cumsum(w, axis=0)
-        count += tl.sum(((cdf <= target) & (v < vocab_size)).to(tl.int64), axis=0)
-        last = tl.maximum(last, tl.max(tl.where(w > 0, v, 0), axis=0).to(tl.int64))
-        carry = tl.max(tl.where(v < vocab_size, cdf, 0.0), axis=0)
+        carry, count, last = _cdf_block(carry, count, last, w, v, vocab_size, target)
     return carry, count, last
 
 
