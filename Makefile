@@ -35,6 +35,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m plugins.ort_cpu > /dev/null    # builds the native ONNX Runtime CPU kernels once (cached)
 	@touch $(STAMP)
 
 test: install

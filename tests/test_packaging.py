@@ -28,6 +28,7 @@ def test_wheel_holds_exactly_the_packages(wheel: Path) -> None:
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == PACKAGES
     assert not any(n.startswith("tests/") for n in names)
+    assert {"plugins/ort_cpu/paged_attention.cc", "plugins/ort_cpu/ort_abi.h"} <= set(names)   # built on first use
     metadata = next(n for n in names if n.endswith("METADATA"))
     text = zipfile.ZipFile(wheel).read(metadata).decode()
     for extra in ("trt", "trt-rtx", "gpu", "dev", "bench", "serve"):

@@ -15,6 +15,7 @@ Device-resident pools with a device-side commit come with the full runtime.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,7 @@ def _open_session(artifact_dir: Path, manifest: io.Manifest, graph: io.Manifest 
     _check_options(ort, providers, num_threads)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    model = _with_native_kernels(options, model, artifact_dir / graph.model_file)
     if num_threads is not None:
         options.intra_op_num_threads = num_threads
     try:
@@ -198,6 +200,31 @@ def _open_session(artifact_dir: Path, manifest: io.Manifest, graph: io.Manifest 
                             "re-export it") from None
     _check_io(session, graph, model)
     return session
+
+
+def _with_native_kernels(options: Any, model: Path, portable: Path) -> Path:
+    """The graph to open: `model` with unispec's CPU kernels registered when it uses them, else (no C++
+    compiler to build them with) the portable `model.onnx`, slower but the same math."""
+    from plugins import ort_cpu
+
+    if model == portable or not _uses_domain(model, ort_cpu.DOMAIN):
+        return model
+    try:
+        options.register_custom_ops_library(str(ort_cpu.library_path()))
+    except ort_cpu.BuildError as exc:
+        warnings.warn(f"{exc}; running {portable.name} instead of {model.name} (slower)", stacklevel=3)
+        return portable
+    return model
+
+
+def _uses_domain(model: Path, domain: str) -> bool:
+    import onnx
+
+    try:
+        proto = onnx.load(str(model), load_external_data=False)
+    except Exception:              # unreadable: let InferenceSession say what is wrong with it
+        return False
+    return any(o.domain == domain for o in proto.opset_import)
 
 
 def _check_options(ort: Any, providers: Sequence[str] | None, num_threads: int | None) -> None:

@@ -129,6 +129,34 @@ def test_eagle3_artifact_runs_in_onnxruntime_like_torch(artifacts: dict[str, Pat
         assert np.allclose(value, want[name].numpy(), atol=1e-4), name
 
 
+def test_the_ort_graph_reads_the_pools_in_place_and_computes_the_same(artifacts: dict[str, Path],
+                                                                       checkpoints: dict[str, Path]) -> None:
+    """model.ort.onnx: every target layer's attention and the draft's first step read their pool through the
+    native kernel (no Gather of the pool left), later draft steps (which also read this step's rows) keep
+    the exported attention; outputs equal torch's."""
+    import onnxruntime as ort
+
+    from export.onnx_export import example_feeds
+    from export.ort_lowering import NATIVE_DOMAIN, NATIVE_OP
+    from plugins import ort_cpu
+
+    step = step_of("eagle3", checkpoints)
+    graph = onnx.load(str(artifacts["eagle3"] / io.ORT_MODEL_NAME), load_external_data=False).graph
+    native = [n for n in graph.node if (n.domain, n.op_type) == (NATIVE_DOMAIN, NATIVE_OP)]
+    assert len(native) == step.target.config.num_hidden_layers + 1
+    assert sorted(n.input[3] for n in native) == [io.DRAFT_KV_POOL] + [io.KV_POOL] * (len(native) - 1)
+    assert not [n for n in graph.node if n.op_type == "Gather" and n.input[0] == io.KV_POOL]
+    feeds = example_feeds(step, lengths=(1, 5, 2, 3), cache_lengths=(7, 2, 0, 12), block_size=16, vocab=320, seed=3)
+    want = step.run(feeds)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(ort_cpu.library_path()))
+    session = ort.InferenceSession(str(artifacts["eagle3"] / io.ORT_MODEL_NAME), options,
+                                   providers=["CPUExecutionProvider"])
+    got = session.run(list(step.output_names), {n: feeds[n].numpy() for n in step.input_names})
+    for name, value in zip(step.output_names, got):
+        assert np.allclose(value, want[name].numpy(), atol=1e-4), name
+
+
 # --- manifest --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", ["none", "eagle3"])

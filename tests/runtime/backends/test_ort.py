@@ -196,3 +196,25 @@ def test_cuda_provider_comes_first_and_agrees_with_cpu(artifact) -> None:
     want = {n: v.copy() for n, v in cpu.run(feeds).items()}
     for name, value in gpu.run(feeds).items():
         np.testing.assert_allclose(value, want[name], atol=1e-4, err_msg=name)
+
+
+def test_without_a_compiler_the_portable_graph_runs_with_a_warning(artifact, monkeypatch) -> None:
+    """model.ort.onnx uses unispec's native CPU kernel; a machine that cannot build it runs model.onnx (the
+    same math through ORT's function inlining) and says so, rather than failing."""
+    from plugins import ort_cpu
+
+    manifest = Manifest.load(artifact.path)
+    native = OrtBackend(artifact.path, manifest, num_blocks=64)
+    _fill_pools(native)
+    feeds = decode_feeds(manifest)
+    want = {n: v.copy() for n, v in native.run(feeds).items()}
+
+    def no_compiler():
+        raise ort_cpu.BuildError("no C++ compiler")
+    monkeypatch.setattr(ort_cpu, "library_path", no_compiler)
+    with pytest.warns(UserWarning, match=f"no C\\+\\+ compiler; running {io.MODEL_NAME} instead"):
+        portable = OrtBackend(artifact.path, manifest, num_blocks=64)
+    _fill_pools(portable)
+    got = portable.run(feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, atol=1e-5, err_msg=name)

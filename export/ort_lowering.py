@@ -1,0 +1,196 @@
+"""model.ort.onnx's attention lowering: PagedAttention over a gathered copy of a pool -> one
+`unispec.cpu::PagedAttentionPool` node that reads the pool in place (plugins/ort_cpu).
+
+In model.onnx each layer's attention reads `k_cache`/`v_cache`, built from the pool by a chain of views and
+copies (gather_pool's Gather, Transpose, Reshape; the layer's Gather; the K|V Split; Reshapes). Which layer
+and which columns of a pool row that chain selects is not read off its node types (the exporter's spelling
+of it changes with torch versions): it is *measured*. The chain alone is run in ONNX Runtime on probe pools
+whose every element names its own coordinates, once as (layer, column) and once as (block, slot); the node
+is lowered only when both probes come out exactly as "layer l, columns c .. c + H·D, slot p of row b is
+pool[block_table[b, p // bs], l, p % bs]" says. Anything else (a chain that also reads in-graph K/V, as
+draft layers that scatter this step's rows do; a float16 pool; a node inside an If) keeps its node.
+
+model.onnx, which TensorRT builds, is never changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from runtime import manifest as io
+
+if TYPE_CHECKING:
+    import onnx
+    import onnx_ir as ir
+
+NATIVE_DOMAIN = "unispec.cpu"
+NATIVE_OP = "PagedAttentionPool"
+_SOURCE_OP = ("unispec", "PagedAttention")
+_PROBE_DIMS = {"batch": 1, "num_tokens": 1, "max_blocks": 2, "num_blocks": 3}
+_PROBE_TABLE = np.array([[2, 0]], dtype=np.int64)     # two blocks, out of order: the probe sees the mapping
+_FLOAT = 1                                           # TensorProto.FLOAT
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolRead:
+    """Where one attention node's k_cache / v_cache come from: pool row columns of one layer."""
+    pool: str
+    layer: int
+    k_column: int
+    v_column: int
+
+
+def find_pool_reads(model: onnx.ModelProto) -> dict[str, PoolRead]:
+    """Output name of each top-level PagedAttention node whose caches are plain reads of a float32 pool."""
+    graph = model.graph
+    producer = {out: index for index, node in enumerate(graph.node) for out in node.output}
+    inputs = {value.name: value for value in graph.input}
+    pools = {name for name in inputs if name in io.DELTA_OF_POOL}
+    found = {}
+    for node in graph.node:
+        if (node.domain, node.op_type) != _SOURCE_OP:
+            continue
+        read = _probe(model, producer, inputs, pools, node.input[3], node.input[4])
+        if read is not None:
+            found[node.output[0]] = read
+    return found
+
+
+def lower(model: ir.Model, reads: dict[str, PoolRead]) -> int:
+    """Replace each PagedAttention node named in `reads` by the native node; returns how many."""
+    import onnx_ir as ir
+
+    values = {v.name: v for v in model.graph.inputs}
+    lowered = 0
+    for node in list(model.graph):
+        if (node.domain, node.op_type) != _SOURCE_OP or node.outputs[0].name not in reads:
+            continue
+        read = reads[node.outputs[0].name]
+        attrs = node.attributes
+        native = ir.Node(NATIVE_DOMAIN, NATIVE_OP,
+                         [*node.inputs[:3], values[read.pool], values[io.BLOCK_TABLE], *node.inputs[5:8]],
+                         [ir.AttrInt64("layer", read.layer), ir.AttrInt64("k_column", read.k_column),
+                          ir.AttrInt64("v_column", read.v_column),
+                          ir.AttrFloat32("scale", attrs["scale"].as_float()),
+                          ir.AttrInt64("causal", _int(attrs, "causal", 1)),
+                          ir.AttrInt64("sliding_window", _int(attrs, "sliding_window", 0)),
+                          ir.AttrFloat32("softcap", attrs["softcap"].as_float() if "softcap" in attrs else 0.0)],
+                         name=f"{node.name}_in_place")
+        model.graph.insert_after(node, native)
+        native.outputs[0].name, native.outputs[0].shape, native.outputs[0].type = \
+            None, node.outputs[0].shape, node.outputs[0].type
+        ir.convenience.replace_all_uses_with(node.outputs[0], native.outputs[0], replace_graph_outputs=True)
+        name = node.outputs[0].name
+        model.graph.remove(node, safe=True)
+        native.outputs[0].name = name
+        lowered += 1
+    if lowered:
+        model.opset_imports[NATIVE_DOMAIN] = 1
+    return lowered
+
+
+def _int(attrs: Any, name: str, default: int) -> int:
+    return attrs[name].as_int() if name in attrs else default
+
+
+def _probe(model: onnx.ModelProto, producer: dict[str, int], inputs: dict, pools: set[str], k_cache: str,
+           v_cache: str) -> PoolRead | None:
+    """Run the caches' chain on coordinate-valued pools; the mapping it shows, or None if it is not a read."""
+    chain = _chain(model.graph, producer, (k_cache, v_cache))
+    if chain is None:
+        return None
+    nodes, sources = chain
+    pool = [s for s in sources if s in pools]
+    others = {s for s in sources if s in inputs} - {*pool, io.BLOCK_TABLE}
+    if len(pool) != 1 or io.BLOCK_TABLE not in sources or inputs[pool[0]].type.tensor_type.elem_type != _FLOAT:
+        return None
+    shape_only = all(node.op_type == "Shape" for node in nodes for name in node.input if name in others)
+    if not shape_only:                                  # the chain reads this step's values, not just the pool
+        return None
+    pool_dims = [d.dim_value for d in inputs[pool[0]].type.tensor_type.shape.dim]
+    if len(pool_dims) != 4 or 0 in pool_dims[1:]:
+        return None
+    _, layers, block_size, width = pool_dims
+    num_blocks = _PROBE_DIMS["num_blocks"]
+    index = np.indices((num_blocks, layers, block_size, width))
+    by_column = (index[1] * width + index[3]).astype(np.float32)                  # layer * W + column
+    by_slot = (index[0] * block_size + index[2]).astype(np.float32)               # block * bs + slot
+    feeds = {name: _dummy(inputs[name]) for name in others}
+    feeds[io.BLOCK_TABLE] = _PROBE_TABLE
+    try:
+        columns = _run(model, nodes, sources, inputs, (k_cache, v_cache), {**feeds, pool[0]: by_column})
+        slots = _run(model, nodes, sources, inputs, (k_cache, v_cache), {**feeds, pool[0]: by_slot})
+    except Exception:                                   # a chain the probe cannot run is simply not lowered
+        return None
+    expected_slots = (_PROBE_TABLE[0, :, None] * block_size + np.arange(block_size)).reshape(-1)  # [2·bs]
+    starts = []
+    for cache_cols, cache_slots in zip(columns, slots):
+        if cache_cols.ndim != 4 or cache_cols.shape[:2] != (1, 2 * block_size) or cache_cols.dtype != np.float32:
+            return None
+        heads, dim = cache_cols.shape[2:]
+        first = int(cache_cols[0, 0, 0, 0])
+        layer, column = divmod(first, width)
+        want = layer * width + column + np.arange(heads * dim, dtype=np.float32).reshape(heads, dim)
+        if not (np.array_equal(cache_cols, np.broadcast_to(want, cache_cols.shape))
+                and np.array_equal(cache_slots, np.broadcast_to(expected_slots[None, :, None, None],
+                                                                cache_slots.shape))):
+            return None
+        starts.append((layer, column))
+    (k_layer, k_column), (v_layer, v_column) = starts
+    return PoolRead(pool[0], k_layer, k_column, v_column) if k_layer == v_layer else None
+
+
+def _chain(graph: onnx.GraphProto, producer: dict[str, int],
+           outputs: tuple[str, ...]) -> tuple[list[onnx.NodeProto], list[str]] | None:
+    """The nodes computing `outputs` back to graph inputs (in graph order) and the inputs they read."""
+    seen, chosen, sources, stack = set(), set(), [], list(outputs)
+    while stack:
+        name = stack.pop()
+        if name in seen or not name:
+            continue
+        seen.add(name)
+        if name not in producer:
+            sources.append(name)                       # a graph input or an initializer
+            continue
+        node = graph.node[producer[name]]
+        if node.domain not in ("", "ai.onnx") or any(a.HasField("g") or a.graphs for a in node.attribute):
+            return None
+        chosen.add(producer[name])
+        stack.extend(node.input)
+    return [graph.node[i] for i in sorted(chosen)], sources
+
+
+def _run(model: onnx.ModelProto, nodes: list, sources: list[str], inputs: dict, outputs: tuple[str, ...],
+         feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnx
+    import onnxruntime as ort
+
+    initializers = [t for t in model.graph.initializer if t.name in sources and t.name not in inputs]
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in initializers):
+        raise ValueError("the chain reads a weight")
+    graph = onnx.helper.make_graph(
+        nodes, "probe", [inputs[name] for name in sources if name in inputs],
+        [onnx.helper.make_empty_tensor_value_info(name) for name in outputs], initializer=initializers)
+    probe = onnx.helper.make_model(graph, opset_imports=[o for o in model.opset_import if o.domain in ("", "ai.onnx")],
+                                   ir_version=model.ir_version)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(list(outputs), {name: feeds[name] for name in sources if name in inputs})
+
+
+def _dummy(value: onnx.ValueInfoProto) -> np.ndarray:
+    """Zeros shaped like a graph input at the probe's sizes (only its shape is read by the chain)."""
+    from onnx import helper
+
+    dims = []
+    for d in value.type.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(d.dim_value)
+        else:                                         # "batch", "batch + 1", "" (unnamed)
+            terms = [t.strip() for t in d.dim_param.split("+")] if d.dim_param else []
+            dims.append(sum(int(t) if t.isdigit() else _PROBE_DIMS.get(t, 1) for t in terms) if terms else 1)
+    return np.zeros(dims, dtype=helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type))

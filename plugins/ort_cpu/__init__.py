@@ -1,0 +1,82 @@
+"""unispec's native ONNX Runtime CPU kernels (domain `unispec.cpu`), compiled on this machine on first use.
+
+    library_path()  -> the shared library to pass to SessionOptions.register_custom_ops_library
+
+The sources (paged_attention.cc, ort_abi.h) ship with the package; the library is built with the system's
+C++ compiler (`$CXX`, else c++/g++) into a cache folder keyed by the sources, the flags and this machine's
+CPU, so a changed source or another CPU builds anew and a concurrent build never leaves a half-written file.
+`make install` builds it once; ONNX Runtime itself is not needed to compile (see ort_abi.h).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+DOMAIN = "unispec.cpu"
+SOURCES = ("paged_attention.cc", "ort_abi.h")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
+_HERE = Path(__file__).resolve().parent
+
+
+class BuildError(RuntimeError):
+    """The library cannot be built on this machine (no compiler, or the compiler failed)."""
+
+
+def cache_dir() -> Path:
+    """$UNISPEC_CACHE, else $XDG_CACHE_HOME/unispec, else ~/.cache/unispec."""
+    if os.environ.get("UNISPEC_CACHE"):
+        return Path(os.environ["UNISPEC_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "unispec"
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with, or None when the machine has none."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path() -> Path:
+    """The built library, compiling it first when this source/flags/CPU has no build yet."""
+    cxx = compiler()
+    key = hashlib.sha256()
+    for name in SOURCES:
+        key.update((_HERE / name).read_bytes())
+    key.update(" ".join((cxx or "", *FLAGS, platform.machine(), _cpu_model())).encode())
+    target = cache_dir() / "ort_cpu" / key.hexdigest()[:16] / "libunispec_ort_cpu.so"
+    if target.is_file():
+        return target
+    if cxx is None:
+        raise BuildError("unispec's ONNX Runtime CPU kernels need a C++ compiler to build once; install g++ "
+                         "(or set CXX)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([cxx, *FLAGS, "-o", str(built), str(_HERE / "paged_attention.cc")],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
+            raise BuildError(f"building unispec's ONNX Runtime CPU kernels with {cxx} failed: {last}")
+        os.replace(built, target)               # atomic: a concurrent build's file is as good as ours
+    return target
+
+
+if __name__ == "__main__":                      # `python -m plugins.ort_cpu`: build now (make install does)
+    print(library_path())

@@ -1,0 +1,92 @@
+"""export/ort_lowering.py: which PagedAttention nodes become the in-place kernel, measured by probing the
+chain that builds their caches; exported from small torch modules shaped like the real step's attention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+
+import plugins
+from export.archs.common import gather_pool, scatter_rows
+from export.ort_lowering import NATIVE_DOMAIN, NATIVE_OP, PoolRead, find_pool_reads, lower
+from plugins import ort_cpu
+from plugins.paged_attention.op import paged_attention
+from runtime import manifest as io
+
+LAYERS, BLOCK, HEADS, DIM = 3, 4, 2, 4
+WIDTH = 2 * HEADS * DIM
+
+
+class Attention(torch.nn.Module):
+    """Layer 1 of a pool read like gather_pool + chunk(2) (K then V); `scatter` also writes this step's K/V
+    into the gathered past first (like later draft steps), which makes the cache more than a pool read."""
+
+    def __init__(self, scatter: bool = False) -> None:
+        super().__init__()
+        self.scatter = scatter
+
+    def forward(self, q, k, v, kv_pool, block_table, row_offsets, positions, cache_lengths):
+        past = gather_pool(kv_pool, block_table).to(q.dtype)                           # [L, B, P, W]
+        if self.scatter:
+            rows = torch.cat([k, v], dim=-1).flatten(1)[:, None, :].expand(-1, LAYERS, -1)
+            past = scatter_rows(past, rows, torch.zeros_like(positions), positions)
+        k_cache, v_cache = (t.unflatten(-1, (HEADS, DIM)) for t in past[1].chunk(2, dim=-1))
+        return paged_attention(q, k, v, k_cache, v_cache, row_offsets, positions, cache_lengths, scale=0.5)
+
+
+def feeds(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"q": torch.randn(3, HEADS, DIM, generator=g).to(dtype),
+            "k": torch.randn(3, HEADS, DIM, generator=g).to(dtype),
+            "v": torch.randn(3, HEADS, DIM, generator=g).to(dtype),
+            io.KV_POOL: torch.randn(5, LAYERS, BLOCK, WIDTH, generator=g).to(dtype),
+            io.BLOCK_TABLE: torch.tensor([[3, 1]]),
+            "row_offsets": torch.tensor([0, 3]),
+            "positions": torch.tensor([5, 6, 7]),
+            "cache_lengths": torch.tensor([5])}
+
+
+def export(module: torch.nn.Module, inputs: dict[str, torch.Tensor], path: Path) -> onnx.ModelProto:
+    tokens, blocks, batch, max_blocks = (torch.export.Dim(n) for n in ("num_tokens", "num_blocks", "batch",
+                                                                        "max_blocks"))
+    shapes = ({0: tokens}, {0: tokens}, {0: tokens}, {0: blocks}, {0: batch, 1: max_blocks}, {0: batch + 1},
+              {0: tokens}, {0: batch})
+    program = torch.onnx.export(module.eval(), tuple(inputs.values()), dynamo=True, opset_version=24,
+                                input_names=list(inputs), dynamic_shapes=shapes,
+                                custom_translation_table=plugins.custom_translation_table(), verbose=False)
+    plugins.attach_functions_ir(program.model)
+    program.save(str(path))
+    return onnx.load(str(path))
+
+
+def test_a_pool_read_is_found_with_its_layer_and_columns(tmp_path: Path) -> None:
+    model = export(Attention(), feeds(), tmp_path / "m.onnx")
+    assert list(find_pool_reads(model).values()) == [PoolRead(io.KV_POOL, layer=1, k_column=0, v_column=HEADS * DIM)]
+
+
+@pytest.mark.parametrize("module, dtype", [(Attention(scatter=True), torch.float32), (Attention(), torch.float16)])
+def test_caches_that_are_more_than_a_float32_pool_read_keep_their_node(tmp_path: Path, module, dtype) -> None:
+    assert find_pool_reads(export(module, feeds(dtype), tmp_path / "m.onnx")) == {}
+
+
+def test_the_lowered_graph_computes_what_the_exported_one_does(tmp_path: Path) -> None:
+    inputs = feeds()
+    model = export(Attention(), inputs, tmp_path / "m.onnx")
+    lowered = ir.from_proto(model)
+    assert lower(lowered, find_pool_reads(model)) == 1
+    native = [n for n in lowered.graph if n.domain == NATIVE_DOMAIN]
+    assert [n.op_type for n in native] == [NATIVE_OP]
+    assert [v.name for v in native[0].inputs][3:5] == [io.KV_POOL, io.BLOCK_TABLE]
+    ir.save(lowered, tmp_path / "lowered.onnx")
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(ort_cpu.library_path()))
+    got = ort.InferenceSession(str(tmp_path / "lowered.onnx"), options).run(None, {k: v.numpy() for k, v in
+                                                                                   inputs.items()})[0]
+    want = Attention()(*inputs.values()).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
