@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m plugins.ort_cpu > /dev/null    # builds the native ONNX Runtime CPU kernels once (cached)
+	$(PY) -c 'from plugins import ort_cpu; ort_cpu.library_path()'   # native ORT CPU kernels, built once
 	@touch $(STAMP)
 
 test: install

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 NATIVE_DOMAIN = "unispec.cpu"
 NATIVE_OP = "PagedAttentionPool"
-_SOURCE_OP = ("unispec", "PagedAttention")
+# op -> the input indices of its caches: PagedAttention's k_cache, v_cache; PagedMLA's latent past
+_CACHE_INPUTS = {("unispec", "PagedAttention"): (3, 4), ("unispec", "PagedMLA"): (2,)}
 _PROBE_DIMS = {"batch": 1, "num_tokens": 1, "max_blocks": 2, "num_blocks": 3}
 _PROBE_TABLE = np.array([[2, 0]], dtype=np.int64)     # two blocks, out of order: the probe sees the mapping
 _FLOAT = 1                                           # TensorProto.FLOAT
@@ -44,16 +45,18 @@ class PoolRead:
 
 
 def find_pool_reads(model: onnx.ModelProto) -> dict[str, PoolRead]:
-    """Output name of each top-level PagedAttention node whose caches are plain reads of a float32 pool."""
+    """Output name of each top-level PagedAttention / PagedMLA node whose caches are plain reads of a float32
+    pool. (PagedMLA is PagedAttention with one KV head, the latent row, whose first R columns are V.)"""
     graph = model.graph
     producer = {out: index for index, node in enumerate(graph.node) for out in node.output}
     inputs = {value.name: value for value in graph.input}
     pools = {name for name in inputs if name in io.DELTA_OF_POOL}
     found = {}
     for node in graph.node:
-        if (node.domain, node.op_type) != _SOURCE_OP:
+        caches = _CACHE_INPUTS.get((node.domain, node.op_type))
+        if caches is None:
             continue
-        read = _probe(model, producer, inputs, pools, node.input[3], node.input[4])
+        read = _probe(model, producer, inputs, pools, tuple(node.input[i] for i in caches))
         if read is not None:
             found[node.output[0]] = read
     return found
@@ -66,12 +69,15 @@ def lower(model: ir.Model, reads: dict[str, PoolRead]) -> int:
     values = {v.name: v for v in model.graph.inputs}
     lowered = 0
     for node in list(model.graph):
-        if (node.domain, node.op_type) != _SOURCE_OP or node.outputs[0].name not in reads:
+        if (node.domain, node.op_type) not in _CACHE_INPUTS or node.outputs[0].name not in reads:
             continue
         read = reads[node.outputs[0].name]
         attrs = node.attributes
-        native = ir.Node(NATIVE_DOMAIN, NATIVE_OP,
-                         [*node.inputs[:3], values[read.pool], values[io.BLOCK_TABLE], *node.inputs[5:8]],
+        if node.op_type == "PagedMLA":             # key = the latent row as one head, value = its first R columns
+            q, k, v, ragged = *_latent_as_kv(model.graph, node, attrs["kv_lora_rank"].as_int()), node.inputs[3:6]
+        else:
+            (q, k, v), ragged = node.inputs[:3], node.inputs[5:8]
+        native = ir.Node(NATIVE_DOMAIN, NATIVE_OP, [q, k, v, values[read.pool], values[io.BLOCK_TABLE], *ragged],
                          [ir.AttrInt64("layer", read.layer), ir.AttrInt64("k_column", read.k_column),
                           ir.AttrInt64("v_column", read.v_column),
                           ir.AttrFloat32("scale", attrs["scale"].as_float()),
@@ -80,26 +86,39 @@ def lower(model: ir.Model, reads: dict[str, PoolRead]) -> int:
                           ir.AttrFloat32("softcap", attrs["softcap"].as_float() if "softcap" in attrs else 0.0)],
                          name=f"{node.name}_in_place")
         model.graph.insert_after(node, native)
-        native.outputs[0].name, native.outputs[0].shape, native.outputs[0].type = \
-            None, node.outputs[0].shape, node.outputs[0].type
-        ir.convenience.replace_all_uses_with(node.outputs[0], native.outputs[0], replace_graph_outputs=True)
-        name = node.outputs[0].name
+        out, name = native.outputs[0], node.outputs[0].name
+        out.shape, out.type = node.outputs[0].shape, node.outputs[0].type
+        ir.convenience.replace_all_uses_with(node.outputs[0], out, replace_graph_outputs=True)
         model.graph.remove(node, safe=True)
-        native.outputs[0].name = name
+        out.name = name                             # the old value's name, free once its node is gone
         lowered += 1
     if lowered:
         model.opset_imports[NATIVE_DOMAIN] = 1
     return lowered
 
 
+def _latent_as_kv(graph: ir.Graph, node: ir.Node, rank: int) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """PagedMLA's q and its latent rows [S, R+Dr] as PagedAttention's k [S, 1, R+Dr] and v [S, 1, R]."""
+    import onnx_ir as ir
+
+    def constant(values: list[int]) -> ir.Node:
+        return ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(np.array(values, dtype=np.int64)))])
+
+    one, zero, end, two = constant([1]), constant([0]), constant([rank]), constant([2])
+    key = ir.Node("", "Unsqueeze", [node.inputs[1], one.outputs[0]])
+    value = ir.Node("", "Slice", [key.outputs[0], zero.outputs[0], end.outputs[0], two.outputs[0]])
+    graph.insert_before(node, [one, zero, end, two, key, value])
+    return node.inputs[0], key.outputs[0], value.outputs[0]
+
+
 def _int(attrs: Any, name: str, default: int) -> int:
     return attrs[name].as_int() if name in attrs else default
 
 
-def _probe(model: onnx.ModelProto, producer: dict[str, int], inputs: dict, pools: set[str], k_cache: str,
-           v_cache: str) -> PoolRead | None:
+def _probe(model: onnx.ModelProto, producer: dict[str, int], inputs: dict, pools: set[str],
+           caches: tuple[str, ...]) -> PoolRead | None:
     """Run the caches' chain on coordinate-valued pools; the mapping it shows, or None if it is not a read."""
-    chain = _chain(model.graph, producer, (k_cache, v_cache))
+    chain = _chain(model.graph, producer, caches)
     if chain is None:
         return None
     nodes, sources = chain
@@ -121,13 +140,15 @@ def _probe(model: onnx.ModelProto, producer: dict[str, int], inputs: dict, pools
     feeds = {name: _dummy(inputs[name]) for name in others}
     feeds[io.BLOCK_TABLE] = _PROBE_TABLE
     try:
-        columns = _run(model, nodes, sources, inputs, (k_cache, v_cache), {**feeds, pool[0]: by_column})
-        slots = _run(model, nodes, sources, inputs, (k_cache, v_cache), {**feeds, pool[0]: by_slot})
+        columns = _run(model, nodes, sources, inputs, caches, {**feeds, pool[0]: by_column})
+        slots = _run(model, nodes, sources, inputs, caches, {**feeds, pool[0]: by_slot})
     except Exception:                                   # a chain the probe cannot run is simply not lowered
         return None
     expected_slots = (_PROBE_TABLE[0, :, None] * block_size + np.arange(block_size)).reshape(-1)  # [2·bs]
     starts = []
     for cache_cols, cache_slots in zip(columns, slots):
+        if cache_cols.ndim == 3:                        # MLA's latent past [B, P, R+Dr]: one head
+            cache_cols, cache_slots = cache_cols[:, :, None], cache_slots[:, :, None]
         if cache_cols.ndim != 4 or cache_cols.shape[:2] != (1, 2 * block_size) or cache_cols.dtype != np.float32:
             return None
         heads, dim = cache_cols.shape[2:]
@@ -139,7 +160,7 @@ def _probe(model: onnx.ModelProto, producer: dict[str, int], inputs: dict, pools
                                                                 cache_slots.shape))):
             return None
         starts.append((layer, column))
-    (k_layer, k_column), (v_layer, v_column) = starts
+    (k_layer, k_column), (v_layer, v_column) = starts if len(starts) == 2 else starts * 2
     return PoolRead(pool[0], k_layer, k_column, v_column) if k_layer == v_layer else None
 
 

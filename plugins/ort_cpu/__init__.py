@@ -76,7 +76,3 @@ def library_path() -> Path:
             raise BuildError(f"building unispec's ONNX Runtime CPU kernels with {cxx} failed: {last}")
         os.replace(built, target)               # atomic: a concurrent build's file is as good as ours
     return target
-
-
-if __name__ == "__main__":                      # `python -m plugins.ort_cpu`: build now (make install does)
-    print(library_path())

@@ -17,6 +17,7 @@ from export.archs.common import gather_pool, scatter_rows
 from export.ort_lowering import NATIVE_DOMAIN, NATIVE_OP, PoolRead, find_pool_reads, lower
 from plugins import ort_cpu
 from plugins.paged_attention.op import paged_attention
+from plugins.paged_mla.op import paged_mla
 from runtime import manifest as io
 
 LAYERS, BLOCK, HEADS, DIM = 3, 4, 2, 4
@@ -52,11 +53,29 @@ def feeds(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
             "cache_lengths": torch.tensor([5])}
 
 
+class Latent(torch.nn.Module):
+    """MLA's absorbed attention over layer 1 of a latent pool (rows of R + Dr = WIDTH columns)."""
+
+    def forward(self, q, latent_new, kv_pool, block_table, row_offsets, positions, cache_lengths):
+        past = gather_pool(kv_pool, block_table)[1]                                   # [B, P, R+Dr]
+        return paged_mla(q, latent_new, past, row_offsets, positions, cache_lengths, scale=0.5, kv_lora_rank=RANK)
+
+
+RANK = 12
+
+
+def latent_feeds() -> dict[str, torch.Tensor]:
+    inputs = feeds()
+    g = torch.Generator().manual_seed(1)
+    return {"q": torch.randn(3, HEADS, WIDTH, generator=g), "latent_new": torch.randn(3, WIDTH, generator=g),
+            **{name: inputs[name] for name in list(inputs)[3:]}}
+
+
 def export(module: torch.nn.Module, inputs: dict[str, torch.Tensor], path: Path) -> onnx.ModelProto:
     tokens, blocks, batch, max_blocks = (torch.export.Dim(n) for n in ("num_tokens", "num_blocks", "batch",
                                                                         "max_blocks"))
-    shapes = ({0: tokens}, {0: tokens}, {0: tokens}, {0: blocks}, {0: batch, 1: max_blocks}, {0: batch + 1},
-              {0: tokens}, {0: batch})
+    per_token = ({0: tokens},) * (len(inputs) - 5)                # q, k, v or q, latent_new
+    shapes = (*per_token, {0: blocks}, {0: batch, 1: max_blocks}, {0: batch + 1}, {0: tokens}, {0: batch})
     program = torch.onnx.export(module.eval(), tuple(inputs.values()), dynamo=True, opset_version=24,
                                 input_names=list(inputs), dynamic_shapes=shapes,
                                 custom_translation_table=plugins.custom_translation_table(), verbose=False)
@@ -68,6 +87,8 @@ def export(module: torch.nn.Module, inputs: dict[str, torch.Tensor], path: Path)
 def test_a_pool_read_is_found_with_its_layer_and_columns(tmp_path: Path) -> None:
     model = export(Attention(), feeds(), tmp_path / "m.onnx")
     assert list(find_pool_reads(model).values()) == [PoolRead(io.KV_POOL, layer=1, k_column=0, v_column=HEADS * DIM)]
+    model = export(Latent(), latent_feeds(), tmp_path / "latent.onnx")        # K and V both start at column 0
+    assert list(find_pool_reads(model).values()) == [PoolRead(io.KV_POOL, layer=1, k_column=0, v_column=0)]
 
 
 @pytest.mark.parametrize("module, dtype", [(Attention(scatter=True), torch.float32), (Attention(), torch.float16)])
@@ -75,9 +96,10 @@ def test_caches_that_are_more_than_a_float32_pool_read_keep_their_node(tmp_path:
     assert find_pool_reads(export(module, feeds(dtype), tmp_path / "m.onnx")) == {}
 
 
-def test_the_lowered_graph_computes_what_the_exported_one_does(tmp_path: Path) -> None:
-    inputs = feeds()
-    model = export(Attention(), inputs, tmp_path / "m.onnx")
+@pytest.mark.parametrize("module, make_feeds", [(Attention(), feeds), (Latent(), latent_feeds)])
+def test_the_lowered_graph_computes_what_the_exported_one_does(tmp_path: Path, module, make_feeds) -> None:
+    inputs = make_feeds()
+    model = export(module, inputs, tmp_path / "m.onnx")
     lowered = ir.from_proto(model)
     assert lower(lowered, find_pool_reads(model)) == 1
     native = [n for n in lowered.graph if n.domain == NATIVE_DOMAIN]
@@ -88,5 +110,5 @@ def test_the_lowered_graph_computes_what_the_exported_one_does(tmp_path: Path) -
     options.register_custom_ops_library(str(ort_cpu.library_path()))
     got = ort.InferenceSession(str(tmp_path / "lowered.onnx"), options).run(None, {k: v.numpy() for k, v in
                                                                                    inputs.items()})[0]
-    want = Attention()(*inputs.values()).numpy()
+    want = module(*inputs.values()).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
