@@ -106,58 +106,117 @@ void axpy(float w, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
 
-// Attention of row `row`'s new tokens, for the query heads of kv head `kv_head`.
-void attend(const Step& st, int64_t row, int64_t kv_head) {
+// Four queries against one key at once: the key is loaded once and the four sums reduce side by side.
+void dot4(const float* const* q, const float* key, int64_t n, float* out) {
+  const float *q0 = q[0], *q1 = q[1], *q2 = q[2], *q3 = q[3];
+  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t d = 0; d < n; ++d) {
+    s0 += q0[d] * key[d];
+    s1 += q1[d] * key[d];
+    s2 += q2[d] * key[d];
+    s3 += q3[d] * key[d];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+// y_i += w[i] * x for four rows y_i = y + i * n that share x (one value row, four queries).
+void axpy4(const float* w, const float* x, float* y, int64_t n) {
+  const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+  float *y0 = y, *y1 = y + n, *y2 = y + 2 * n, *y3 = y + 3 * n;
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) {
+    const float v = x[d];
+    y0[d] += w0 * v;
+    y1[d] += w1 * v;
+    y2[d] += w2 * v;
+    y3[d] += w3 * v;
+  }
+}
+
+// Attention of row `row`'s new tokens, every head. `rows[j]` is the pool row of the row's past position j
+// (this layer's K|V live in it at the attribute columns). Loops run key-outer: each pool row is read once,
+// contiguously for all heads (the rows of one layer lie a block's stride apart, too far apart for the
+// hardware prefetcher, so the rows a few keys ahead are prefetched by hand), and each key and value serves
+// its whole GQA group in one pass.
+void attend(const Step& st, int64_t row, const std::vector<const float*>& rows) {
   const Attributes& a = st.attr;
   const int64_t t0 = st.offsets[row], t1 = st.offsets[row + 1], past = st.lengths[row];
   const int64_t group = st.q_heads / st.kv_heads, fresh = t1 - t0, keys = past + fresh;
   if (fresh == 0) return;
-  const int64_t queries = fresh * group;     // query i = (token t0 + i / group, head kv_head * group + i % group)
+  const int64_t queries = fresh * st.q_heads;   // query i = (token t0 + i / q_heads, head i % q_heads)
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  std::vector<float> scores(queries * keys), acc(st.v_dim);
-  auto query = [&](int64_t i) {
-    return st.q + ((t0 + i / group) * st.q_heads + kv_head * group + i % group) * st.head_dim;
+  std::vector<const float*> q(queries);
+  std::vector<int64_t> at(queries);             // each query's position
+  for (int64_t i = 0; i < queries; ++i) {
+    q[i] = st.q + (t0 * st.q_heads + i) * st.head_dim;
+    at[i] = st.positions[t0 + i / st.q_heads];
+  }
+  auto in_window = [&](int64_t i, int64_t key_position) {
+    return a.sliding_window <= 0 || at[i] - key_position < a.sliding_window;
   };
-  auto visible = [&](int64_t i, int64_t key_position) {
-    const int64_t t = st.positions[t0 + i / group];
-    return a.sliding_window <= 0 || t - key_position < a.sliding_window;
+  // The queries of kv head h are, per token, `group` consecutive heads: score them 4 at a time.
+  auto score = [&](const float* key_row, int64_t key_stride, float* s) {
+    for (int64_t h = 0; h < st.kv_heads; ++h) {
+      const float* key = key_row + h * key_stride;
+      for (int64_t tok = 0; tok < fresh; ++tok) {
+        const int64_t first = tok * st.q_heads + h * group;
+        int64_t g = 0;
+        for (; g + 4 <= group; g += 4) dot4(&q[first + g], key, st.head_dim, s + first + g);
+        for (; g < group; ++g) s[first + g] = dot(q[first + g], key, st.head_dim);
+      }
+    }
   };
+  constexpr int64_t kAhead = 6;                 // keys prefetched ahead
+  const int64_t k_bytes = st.kv_heads * st.head_dim * 4, v_bytes = st.kv_heads * st.v_dim * 4;
+  auto prefetch = [](const float* from, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(from) + b);
+  };
+  std::vector<float> scores(keys * queries);    // [key][query]
 
-  for (int64_t p = 0; p < past; ++p) {       // each past key read once, for every query of the group
-    const float* key = st.pool_row(row, p) + a.k_column + kv_head * st.head_dim;
-    for (int64_t i = 0; i < queries; ++i)
-      scores[i * keys + p] = visible(i, p) ? dot(query(i), key, st.head_dim) * a.scale : neg_inf;
+  for (int64_t p = 0; p < past; ++p) {
+    if (p + kAhead < past) prefetch(rows[p + kAhead] + a.k_column, k_bytes);
+    float* s = &scores[p * queries];
+    score(rows[p] + a.k_column, st.head_dim, s);
+    for (int64_t i = 0; i < queries; ++i) s[i] = in_window(i, p) ? s[i] * a.scale : neg_inf;
   }
   for (int64_t u = 0; u < fresh; ++u) {
-    const float* key = st.k + ((t0 + u) * st.kv_heads + kv_head) * st.head_dim;
+    float* s = &scores[(past + u) * queries];
+    score(st.k + (t0 + u) * st.kv_heads * st.head_dim, st.head_dim, s);
     const int64_t key_position = st.positions[t0 + u];
     for (int64_t i = 0; i < queries; ++i) {
-      const bool ok = (!a.causal || key_position <= st.positions[t0 + i / group]) && visible(i, key_position);
-      scores[i * keys + past + u] = ok ? dot(query(i), key, st.head_dim) * a.scale : neg_inf;
+      const bool ok = (!a.causal || key_position <= at[i]) && in_window(i, key_position);
+      s[i] = ok ? s[i] * a.scale : neg_inf;
     }
   }
 
-  for (int64_t i = 0; i < queries; ++i) {    // softcap, then softmax over every key of query i
-    float* s = &scores[i * keys];
+  for (int64_t i = 0; i < queries; ++i) {       // softcap, then softmax over every key of query i
     if (a.softcap > 0)
-      for (int64_t j = 0; j < keys; ++j)
-        if (s[j] != neg_inf) s[j] = std::tanh(s[j] / a.softcap) * a.softcap;   // masked keys stay masked
+      for (int64_t j = 0; j < keys; ++j) {
+        float& x = scores[j * queries + i];
+        if (x != neg_inf) x = std::tanh(x / a.softcap) * a.softcap;    // masked keys stay masked
+      }
     float top = neg_inf, total = 0.0f;
-    for (int64_t j = 0; j < keys; ++j) top = std::max(top, s[j]);
-    for (int64_t j = 0; j < keys; ++j) total += (s[j] = std::exp(s[j] - top));
-    for (int64_t j = 0; j < keys; ++j) s[j] /= total;
+    for (int64_t j = 0; j < keys; ++j) top = std::max(top, scores[j * queries + i]);
+    for (int64_t j = 0; j < keys; ++j) total += (scores[j * queries + i] = std::exp(scores[j * queries + i] - top));
+    for (int64_t j = 0; j < keys; ++j) scores[j * queries + i] /= total;
   }
 
-  for (int64_t i = 0; i < queries; ++i) {
-    const float* w = &scores[i * keys];
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int64_t p = 0; p < past; ++p)
-      if (w[p] != 0.0f) axpy(w[p], st.pool_row(row, p) + a.v_column + kv_head * st.v_dim, acc.data(), st.v_dim);
-    for (int64_t u = 0; u < fresh; ++u)
-      if (w[past + u] != 0.0f)
-        axpy(w[past + u], st.v + ((t0 + u) * st.kv_heads + kv_head) * st.v_dim, acc.data(), st.v_dim);
-    float* out = st.out + ((t0 + i / group) * st.q_heads + kv_head * group + i % group) * st.v_dim;
-    std::copy(acc.begin(), acc.end(), out);
+  float* out = st.out + t0 * st.q_heads * st.v_dim;   // [fresh, q_heads, v_dim], accumulated in place
+  std::fill(out, out + queries * st.v_dim, 0.0f);
+  for (int64_t j = 0; j < keys; ++j) {
+    if (j + kAhead < past) prefetch(rows[j + kAhead] + a.v_column, v_bytes);
+    const float* value_row = j < past ? rows[j] + a.v_column : st.v + (t0 + j - past) * st.kv_heads * st.v_dim;
+    const float* w = &scores[j * queries];
+    for (int64_t h = 0; h < st.kv_heads; ++h) {
+      const float* value = value_row + h * st.v_dim;
+      for (int64_t tok = 0; tok < fresh; ++tok) {
+        const int64_t first = tok * st.q_heads + h * group;
+        int64_t g = 0;
+        for (; g + 4 <= group; g += 4) axpy4(w + first + g, value, out + (first + g) * st.v_dim, st.v_dim);
+        for (; g < group; ++g) axpy(w[first + g], value, out + (first + g) * st.v_dim, st.v_dim);
+      }
+    }
   }
 }
 
@@ -228,8 +287,12 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   void* data = nullptr;
   RETURN_IF_ERROR(call<OrtStatus* (*)(OrtValue*, void**)>(g_api, GetTensorMutableData)(out, &data));
   st.out = static_cast<float*>(data);
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t h = 0; h < st.kv_heads; ++h) attend(st, b, h);
+  std::vector<const float*> rows;
+  for (int64_t b = 0; b < batch; ++b) {
+    rows.resize(st.lengths[b]);
+    for (int64_t p = 0; p < st.lengths[b]; ++p) rows[p] = st.pool_row(b, p);
+    attend(st, b, rows);
+  }
   return nullptr;
 }
 
