@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -c 'from plugins import ort_cpu; ort_cpu.library_path()'   # native ORT CPU kernels, built once
+	$(PY) -c 'from plugins import ort_cpu; ort_cpu.library_path()' || echo "native ORT kernels not built: ONNX Runtime runs model.onnx instead"
 	@touch $(STAMP)
 
 test: install
