@@ -138,12 +138,12 @@ def op_counts(graph: onnx.GraphProto) -> dict[str, int]:
     return counts
 
 
-def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME, *, native: bool = True) -> int:
+def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
     """`name` beside `source` (model.onnx): its custom-op functions inlined and the graph optimized
     (onnxscript), for ONNX Runtime. ORT would inline the functions itself but cannot fold their shape
-    arithmetic once they are inlined; this removes ~10% of the nodes a step runs. With `native`, attention
-    that reads a float32 pool first becomes unispec's in-place CPU kernel (export/ort_lowering.py). The
-    weights stay in the external files (referenced, not copied). Returns how many nodes were lowered."""
+    arithmetic once they are inlined; this removes ~10% of the nodes a step runs. Attention that reads a
+    float32 pool first becomes unispec's in-place CPU kernel (export/ort_lowering.py). The weights stay in
+    the external files (referenced, not copied)."""
     import onnx
     import onnx_ir as ir
     import onnxscript.optimizer
@@ -151,10 +151,6 @@ def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME, *, native
     from export import ort_lowering
 
     model = ir.load(out / source)
-    lowered = 0
-    if native:
-        reads = ort_lowering.find_pool_reads(onnx.load(str(out / source), load_external_data=False))
-        lowered = ort_lowering.lower(model, reads)
+    ort_lowering.lower(model, ort_lowering.find_pool_reads(onnx.load(str(out / source), load_external_data=False)))
     onnxscript.optimizer.optimize_ir(model)
     ir.save(model, out / name)
-    return lowered

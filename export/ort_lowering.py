@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from plugins import ort_cpu
 from runtime import manifest as io
 
 if TYPE_CHECKING:
     import onnx
     import onnx_ir as ir
 
-NATIVE_DOMAIN = "unispec.cpu"
+NATIVE_DOMAIN = ort_cpu.DOMAIN
 NATIVE_OP = "PagedAttentionPool"
 # op -> the input indices of its caches: PagedAttention's k_cache, v_cache; PagedMLA's latent past
 _CACHE_INPUTS = {("unispec", "PagedAttention"): (3, 4), ("unispec", "PagedMLA"): (2,)}

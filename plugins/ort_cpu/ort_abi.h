@@ -3,7 +3,7 @@
 // Why not ORT's own header: no package on the registries this project installs from ships
 // onnxruntime_c_api.h (the onnxruntime wheel carries only the shared library). The C ABI is stable by
 // design: `OrtApi` is a table of function pointers that only ever grows at its end, so a function's slot
-// never moves. We read the table as an array and name the 15 slots we call. The slot numbers were counted
+// never moves. We read the table as an array and name the slots we use. The slot numbers were counted
 // from ORT's header (API version 29) and are checked against the installed library by
 // tests/plugins/test_ort_cpu.py (it calls slots 0, 1, 2 and 254 through ctypes and compares the answers).
 //
@@ -60,7 +60,7 @@ constexpr uint32_t kApiVersion = 16;        // the oldest table with everything 
 constexpr uint32_t kCustomOpVersion = 16;   // CreateKernelV2 / KernelComputeV2 report errors as statuses
 
 enum ElementType : int { kFloat = 1, kInt64 = 7 };
-enum ErrorCode : int { kFail = 1, kInvalidArgument = 2 };
+enum ErrorCode : int { kInvalidArgument = 2 };
 
 enum Slot : size_t {
   CreateStatus = 0,
@@ -68,7 +68,6 @@ enum Slot : size_t {
   CustomOpDomain_Add = 27,
   AddCustomOpDomain = 28,
   GetTensorMutableData = 51,
-  GetTensorElementType = 60,
   GetDimensionsCount = 61,
   GetDimensions = 62,
   GetTensorTypeAndShape = 65,
@@ -76,7 +75,7 @@ enum Slot : size_t {
   KernelInfoGetAttribute_int64 = 86,
   KernelContext_GetInput = 90,
   KernelContext_GetOutput = 91,
-  ReleaseStatus = 93,
+  ReleaseStatus = 93,                       // unused by the kernel; tests/plugins/test_ort_cpu.py calls it
   ReleaseTensorTypeAndShapeInfo = 99,
 };
 

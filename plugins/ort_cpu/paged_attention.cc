@@ -4,7 +4,7 @@
 // The exported graph gathers every row's blocks, transposes them layer-major, splits layers and K/V, and
 // the reference attention then copies the result once more per query: ~6 copies of the history a step.
 // This kernel reads key p of row b where it lives, pool[block_table[b, p / bs], layer, p % bs, column],
-// so a step touches the history once per (row, kv head) and copies none of it.
+// so a step reads each row's history once and copies none of it.
 //
 // Inputs   q [S, Hq, D], k [S, Hkv, D], v [S, Hkv, Dv]   this step's tokens (RoPE applied), float32
 //          kv_pool [num_blocks, L, bs, W] float32         read in place, never written
@@ -80,7 +80,7 @@ OrtStatus* read_attributes(const OrtKernelInfo* info, Attributes* a) {
   return get_float(info, "softcap", &a->softcap);
 }
 
-// One step's geometry and pointers, shared by the (row, kv head) tasks.
+// One step's geometry and pointers, shared by every row's attention.
 struct Step {
   Attributes attr;
   const float *q, *k, *v, *pool;

@@ -14,6 +14,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
+from export.archs.common import gather_pool
 from plugins import ort_cpu
 from plugins.paged_attention.reference import paged_attention as reference
 
@@ -71,9 +72,7 @@ def expected(feeds: dict[str, np.ndarray], *, layer: int, k_column: int, v_colum
     """The torch reference over each row's past gathered from the pool."""
     _, kv_heads, head_dim = feeds["k"].shape
     v_dim = feeds["v"].shape[2]
-    table = torch.from_numpy(feeds["block_table"])
-    rows = torch.from_numpy(feeds["kv_pool"])[table][:, :, layer]               # [B, MB, bs, W]
-    past = rows.reshape(table.shape[0], -1, rows.shape[-1])                     # [B, P, W]
+    past = gather_pool(torch.from_numpy(feeds["kv_pool"]), torch.from_numpy(feeds["block_table"]))[layer]  # [B, P, W]
     k_cache = past[..., k_column:k_column + kv_heads * head_dim].unflatten(-1, (kv_heads, head_dim))
     v_cache = past[..., v_column:v_column + kv_heads * v_dim].unflatten(-1, (kv_heads, v_dim))
     t = {n: torch.from_numpy(feeds[n]) for n in ("q", "k", "v", "row_offsets", "positions", "cache_lengths")}
