@@ -40,6 +40,7 @@ __all__ = ["Backend", "PersistentInputBuffers", "cuda_runtime", "numpy_dtype", "
 
 # num_bytes -> a uint8 array of that many bytes that stays valid as long as the array lives
 HostAllocator = Callable[[int], np.ndarray]
+MAX_CACHED_VIEWS = 4096      # views PersistentInputBuffers keeps (a few per step shape and input)
 _CUDART_NAMES = ("cudart", "libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0")
 
 
@@ -155,15 +156,25 @@ class PersistentInputBuffers:
             assert raw.dtype == np.uint8 and raw.size == count * dtype.itemsize, "allocator returned a wrong buffer"
             self._flat[s.name] = raw.view(dtype)
             self._flat[s.name][...] = 0
+        # (name, shape) -> its view: the same object every time, so a backend that remembers what it bound
+        # can tell an unchanged feed by identity; cleared when full (shapes of long-gone steps)
+        self._views: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
 
     def view(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """A C-contiguous array of `shape` over the start of `name`'s buffer (no copy, stable address)."""
+        """A C-contiguous array of `shape` over the start of `name`'s buffer (no copy, stable address; the
+        same array object for the same shape while it is cached)."""
+        view = self._views.get((name, shape))
+        if view is not None:
+            return view
         flat = self._flat[name]
         size = math.prod(shape)
         if size > flat.size:
             raise UnispecError(f"step input {name!r} needs shape {shape}, beyond the artifact's bounds "
                                 f"{self.bounds}; the scheduler must keep steps within the manifest's limits")
-        return flat[:size].reshape(shape)
+        if len(self._views) >= MAX_CACHED_VIEWS:
+            self._views.clear()
+        view = self._views[(name, tuple(shape))] = flat[:size].reshape(shape)
+        return view
 
     def address(self, name: str) -> int:
         return self._flat[name].ctypes.data

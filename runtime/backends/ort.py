@@ -3,9 +3,11 @@
 What is bound when:
   - pools: once. Each pool is a numpy array [num_blocks, L, block_size, W] wrapped in a CPU OrtValue
     that shares its memory, so `commit` writes straight into what the next step reads (no copy).
-  - per-step inputs: every step, by address. Feeds that are views of the host loop's
-    PersistentInputBuffers bind as they are; any other feed is first copied into this backend's own.
-  - outputs: every step, into preallocated max-size host buffers (shapes follow the step's B and S).
+  - per-step inputs and outputs: once per step shape (num_tokens, batch, max_blocks), in an IO binding
+    of that shape (the last 64 shapes are kept). A feed is bound by address; a step whose feeds are the
+    very arrays bound last time at its shape (the host loop's PersistentInputBuffers hands out the same
+    view object for the same shape) binds nothing. A feed of another dtype or layout is first copied
+    into this backend's own buffer. Outputs are views of preallocated max-size host buffers.
 Measured on CPU (reference/feasibility.md §5): static binding of persistent OrtValues beats `session.run`;
 re-binding the pools every step is slower, which is why they are bound once.
 
@@ -16,7 +18,9 @@ Device-resident pools with a device-side commit come with the full runtime.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +116,8 @@ class OrtBackend:
 
 
 class _Graph:
-    """One session with its IO binding: pools bound once, per-step inputs and outputs bound every run."""
+    """One session with an IO binding per step shape: pools bound once in each, inputs and outputs bound when
+    the shape first runs, and again only for a feed that is not the array bound last time."""
 
     def __init__(self, artifact_dir: Path, manifest: io.Manifest, graph: io.Manifest | io.TargetOnlyGraph,
                  pool_values: Mapping[str, Any], providers: Sequence[str] | None, num_threads: int | None) -> None:
@@ -122,37 +127,43 @@ class _Graph:
         bounds = step_bounds(manifest)
         self._own_inputs = PersistentInputBuffers(self.step_specs, bounds)   # for feeds we cannot bind as given
         self._outputs = PersistentInputBuffers(graph.outputs, bounds)        # same mechanics, for outputs
-        self._binding = self.session.io_binding()
         self._dtype = {s.name: numpy_dtype(s.dtype) for s in (*self.step_specs, *graph.outputs)}
         self._element = {name: _element_type(dtype) for name, dtype in self._dtype.items()}
-        # name -> (address, shape) bound now: a step whose buffers and shapes match the last one binds nothing
-        # (a decode step usually does), as rebinding 13 inputs and 4 outputs costs ~0.1 ms of Python per step.
-        self._bound: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self._output_shapes: dict[tuple[int, int, int], dict[str, tuple[int, ...]]] = {}   # per step geometry
         graph_inputs = {s.name for s in graph.inputs}
-        for name, value in pool_values.items():
-            if name in graph_inputs:                 # a target-only graph may not read the draft pool
-                self._binding.bind_ortvalue_input(name, value)
+        # a target-only graph may not read the draft pool
+        self._pool_values = {name: value for name, value in pool_values.items() if name in graph_inputs}
+        self._shapes = _ShapeBindings(self._new_binding)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        missing = [s.name for s in self.step_specs if s.name not in feeds]
-        if missing:
-            raise UnispecError(f"step feeds lack {missing}; a backend's run needs every input of input_specs()")
-        for spec in self.step_specs:
-            self._bind_input(spec, feeds[spec.name])
-        env = _step_env(feeds, self.manifest)
-        key = (env["num_tokens"], env["batch"], env["max_blocks"])
-        shapes = self._output_shapes.get(key)
-        if shapes is None:
-            shapes = self._output_shapes[key] = {s.name: shape_of(s, env) for s in self.outputs}
-        outputs = {}
-        for name, shape in shapes.items():
-            outputs[name] = view = self._outputs.view(name, shape)
-            self._bind(name, view, self._binding.bind_output)
-        self.session.run_with_iobinding(self._binding)
-        return outputs
+        try:
+            table = feeds[io.BLOCK_TABLE]
+            bound = self._shapes.get((feeds[io.TOKENS].shape[0], *table.shape))
+            inputs = bound.inputs
+            for spec in self.step_specs:
+                feed = feeds[spec.name]
+                if feed is not inputs.get(spec.name):    # the same array object: same address and shape
+                    self._bind_input(bound, spec, feed)
+        except KeyError:
+            missing = [s.name for s in self.step_specs if s.name not in feeds]
+            if not missing:
+                raise
+            raise UnispecError(f"step feeds lack {missing}; a backend's run needs every input of "
+                               "input_specs()") from None
+        self.session.run_with_iobinding(bound.binding)
+        return dict(bound.outputs)
 
-    def _bind_input(self, spec: io.TensorSpec, feed: np.ndarray) -> None:
+    def _new_binding(self, key: tuple[int, int, int]) -> _Bound:
+        """A binding for steps of `key` = (num_tokens, batch, max_blocks): pools and outputs bound."""
+        binding = self.session.io_binding()
+        for name, value in self._pool_values.items():
+            binding.bind_ortvalue_input(name, value)
+        env = {"num_tokens": key[0], "batch": key[1], "max_blocks": key[2]}
+        outputs = {s.name: self._outputs.view(s.name, shape_of(s, env)) for s in self.outputs}
+        for name, view in outputs.items():
+            binding.bind_output(name, "cpu", 0, self._element[name], view.shape, view.ctypes.data)
+        return _Bound(binding, {}, outputs)
+
+    def _bind_input(self, bound: _Bound, spec: io.TensorSpec, feed: np.ndarray) -> None:
         dtype = self._dtype[spec.name]
         if type(feed) is not np.ndarray:
             feed = np.asarray(feed)
@@ -160,20 +171,43 @@ class _Graph:
             own = self._own_inputs.view(spec.name, feed.shape)
             own[...] = feed
             feed = own
-        self._bind(spec.name, feed, self._binding.bind_input)
-
-    def _bind(self, name: str, array: np.ndarray, bind: Any) -> None:
-        where = (array.__array_interface__["data"][0], array.shape)
-        if self._bound.get(name) != where:
-            bind(name, "cpu", 0, self._element[name], array.shape, where[0])
-            self._bound[name] = where
+        if feed is not bound.inputs.get(spec.name):
+            bound.binding.bind_input(spec.name, "cpu", 0, self._element[spec.name], feed.shape, feed.ctypes.data)
+            bound.inputs[spec.name] = feed           # kept alive: the binding holds only its address
 
 
-def _step_env(feeds: Mapping[str, np.ndarray], manifest: io.Manifest) -> dict[str, int]:
-    """The step's dynamic dims, read off the feeds (names as the exporter writes them)."""
-    table = feeds[io.BLOCK_TABLE]
-    return {"num_tokens": int(feeds[io.TOKENS].shape[0]), "batch": int(table.shape[0]),
-            "max_blocks": int(table.shape[1])}
+@dataclass
+class _Bound:
+    binding: Any                     # onnxruntime IOBinding
+    inputs: dict[str, np.ndarray]    # the arrays bound as inputs (identity says a feed needs no rebinding)
+    outputs: dict[str, np.ndarray]   # views of the output buffers, bound at this shape
+
+
+class _ShapeBindings:
+    """The IO bindings of the step shapes run lately, least recently used dropped beyond MAX_SHAPES.
+
+    A decode step repeats its shape until a row joins, leaves or needs another block, so keeping one
+    binding per shape makes such a step bind nothing (rebinding 13 inputs and 4 outputs costs ~0.05 ms of
+    Python); prefill chunks of new lengths each make one."""
+
+    MAX_SHAPES = 64
+
+    def __init__(self, make: Callable[[tuple[int, int, int]], _Bound]) -> None:
+        self._make = make
+        self._bound: OrderedDict[tuple[int, int, int], _Bound] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._bound)
+
+    def get(self, key: tuple[int, int, int]) -> _Bound:
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bound[key] = self._make(key)
+            if len(self._bound) > self.MAX_SHAPES:
+                self._bound.popitem(last=False)
+        else:
+            self._bound.move_to_end(key)
+        return bound
 
 
 def _open_session(artifact_dir: Path, manifest: io.Manifest, graph: io.Manifest | io.TargetOnlyGraph,

@@ -31,6 +31,7 @@ def test_buffers_hand_out_prefix_views_at_fixed_addresses() -> None:
     small[...] = 7
     assert buffers.view("block_table", (6,)).tolist() == [7] * 6      # the same memory, refilled in place
     assert buffers.view("noise", (3, 4, 3)).dtype == np.float32
+    assert buffers.view("block_table", (2, 3)) is small and buffers.view("block_table", (3, 2)) is not small
     with pytest.raises(UnispecError, match="beyond the artifact's bounds"):
         buffers.view("tokens", (17,))
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from runtime import manifest as io
-from runtime.backend import Backend
+from runtime.backend import Backend, PersistentInputBuffers, step_bounds
 from runtime.backends.ort import OrtBackend, default_providers
 from runtime.errors import ArtifactError
 from runtime.manifest import Manifest
@@ -101,6 +101,60 @@ def test_feeds_of_another_dtype_or_layout_are_copied_in(artifact) -> None:
     got = backend.run(odd)
     for name in want:
         assert np.array_equal(got[name], want[name]), name
+
+
+class _CountingBinding:
+    """An IOBinding that counts its bind_input calls."""
+
+    def __init__(self, inner, counts: list[int]) -> None:
+        self.inner, self.counts, self.index = inner, counts, len(counts)
+        counts.append(0)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def bind_input(self, *args) -> None:
+        self.counts[self.index] += 1
+        self.inner.bind_input(*args)
+
+
+def test_a_repeated_step_shape_binds_nothing_and_a_new_shape_gets_its_own_binding(artifact) -> None:
+    manifest = Manifest.load(artifact.path)
+    backend = OrtBackend(artifact.path, manifest, num_blocks=64)
+    _fill_pools(backend)
+    session, counts = backend.session, []              # one entry per binding made: its bind_input calls
+    make = session.io_binding
+
+    def counted_binding():
+        return _CountingBinding(make(), counts)
+
+    session.io_binding = counted_binding
+    session.run_with_iobinding = lambda binding, *a: type(session).run_with_iobinding(session, binding.inner, *a)
+    buffers = PersistentInputBuffers(backend.input_specs(), step_bounds(manifest))
+
+    def persistent(feeds):                             # the feeds written into the buffers' views, as the engine does
+        for name, value in feeds.items():
+            buffers.view(name, value.shape)[...] = value
+        return {name: buffers.view(name, value.shape) for name, value in feeds.items()}
+
+    def check(feeds):
+        got = backend.run(feeds)
+        want = session.run(None, {**feeds, **backend.pools})
+        for spec, value in zip(manifest.outputs, want):
+            np.testing.assert_allclose(got[spec.name], value, atol=1e-6, err_msg=spec.name)
+
+    inputs = len(backend.input_specs())
+    check(persistent(decode_feeds(manifest, batch=4)))
+    assert counts == [inputs]
+    check(persistent(decode_feeds(manifest, batch=4, seed=1)))        # new values, same shape and arrays
+    assert counts == [inputs]
+    check(persistent(decode_feeds(manifest, batch=2, seed=2)))        # another shape: a binding of its own
+    assert counts == [inputs, inputs]
+    feeds = persistent(decode_feeds(manifest, batch=4, seed=3))       # back to the first shape: bound already
+    check(feeds)
+    assert counts == [inputs, inputs]
+    check(dict(feeds, tokens=feeds[io.TOKENS].copy()))                # another array: only it is rebound
+    assert counts == [inputs + 1, inputs]
 
 
 def _median_step_times(backends: list[OrtBackend], feeds: dict[str, np.ndarray], repeats: int) -> list[float]:
