@@ -2,20 +2,10 @@
 
 It drives an artifact's unified step as the torch reference loop (export/generate.py) does, with numpy,
 a BlockManager, a Scheduler (continuous batching, chunked prefill, preemption) and persistent input
-buffers (DESIGN.md §3, §7). Per step, for every scheduled row (runtime/sequence.py says which kind):
-
-  prefill / recompute row:  tokens = the next chunk, drafts = -1, chunk_next_tokens = the token after
-                            the chunk when there is one the step does not generate from (else -1)
-  decode row:               tokens = [last generated token], drafts = the previous step's next_draft_tokens
-                            (and draft_probs = its next_draft_probs, the q they were sampled from)
-  commit:                   n = len(tokens) + num_accepted rows of the row's delta segment (len(tokens) + K
-                            rows) go to positions cache_len .. cache_len + n - 1
-  generated:                the accepted drafts, then next_token (only on steps that generate)
-
-Per-row sampling inputs come from each request's SamplingParams; `noise` from its own stream, one block
-per generating step (zeros otherwise), so seeded output does not depend on the batch, on how the
-prompt was chunked, or on preemptions; `token_bitmask` from its grammar (runtime/structured.py);
-`in_thinking_phase` from its think-token tracking when it opted into relaxed acceptance.
+buffers (DESIGN.md §3, §7). Per step: the scheduler picks the rows and their token counts,
+runtime/step_feeds.py writes their inputs in place (what each kind of row feeds, noise, bitmasks), the
+backend runs the graph, the commit pairs of the rule go to `backend.commit`, and each row that generates
+takes its accepted drafts, then next_token.
 
 Adaptive speculation (runtime/speculation.py): a step runs the speculative graph or the artifact's
 target-only graph (K = 0, the draft pool left alone). A row remembers how far its draft KV reaches
@@ -35,15 +25,16 @@ from itertools import count
 import numpy as np
 
 from runtime import manifest as io
-from runtime.backend import Backend, PersistentInputBuffers, step_bounds
+from runtime.backend import Backend
 from runtime.blocks import BlockManager
 from runtime.detokenizer import Detokenize, IncrementalText
 from runtime.errors import InvalidRequestError
-from runtime.noise import RequestNoise, batch_noise
+from runtime.noise import RequestNoise
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Plan, Scheduler
 from runtime.sequence import RequestMetrics, RequestOutput, SequenceState, validate_prompt
 from runtime.speculation import SPECULATIVE, TARGET_ONLY, SpeculationPolicy
+from runtime.step_feeds import StepFeeds
 from runtime.structured import GrammarCompiler, RequestGrammar, check_structured_support
 
 __all__ = ["CheckedRequest", "Engine", "Listener", "RequestMetrics", "RequestOutput", "StepTimings",
@@ -105,7 +96,8 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, k=self.k, max_batch_size=m.max_batch_size,
                                    max_tokens_per_step=m.max_tokens_per_step, prefill_chunk=chunk)
         specs = backend.input_specs()
-        self.buffers = PersistentInputBuffers(specs, step_bounds(m))
+        self.feeds = StepFeeds(m, specs, self.blocks)
+        self.buffers = self.feeds.buffers
         self._input_names = frozenset(s.name for s in specs)
         has_target_only = bool(getattr(backend, "has_target_only", False))
         self.policy = SpeculationPolicy(speculation, k=self.k, has_target_only=has_target_only)
@@ -114,8 +106,6 @@ class Engine:
         self._names = {SPECULATIVE: self._input_names, TARGET_ONLY: only if self.k else self._input_names}
         # pools the speculative graph writes and the target-only one does not: a gap there needs a recompute
         self._gapped = has_target_only and any(p.name not in only for p in m.pools)
-        # copied from, never grown: a row's positions plus one step's reach past them
-        self._positions = np.arange(m.max_model_len + 1 + io.step_reach(self.k), dtype=np.int64)
         self._ids = count()
         self.num_steps = 0
         self.timings = StepTimings()
@@ -213,12 +203,12 @@ class Engine:
         noise = [(seq.noise, seq.noise.checkpoint()) for seq, n in plan.items() if seq.generates(n)]
         # (A half-done commit only wrote positions at or past each row's cache length, which nothing reads.)
         try:
-            feeds = self._feeds(plan, k, self._names[kind])
+            feeds = self.feeds.build(plan, k, self._names[kind])
             graph_started, graph_started_cpu = time.perf_counter(), time.process_time()
             run = self.backend.run if kind == SPECULATIVE or not self.k else self.backend.run_target_only
             outputs = run(feeds)
             graph_s, graph_cpu_s = time.perf_counter() - graph_started, time.process_time() - graph_started_cpu
-            self._commit(feeds, outputs, k)
+            self.backend.commit(outputs, *self.feeds.commit_pairs(feeds, outputs[io.NUM_ACCEPTED], k))
         except BaseException:
             for stream, checkpoint in noise:
                 stream.rewind(checkpoint)
@@ -246,78 +236,6 @@ class Engine:
         for seq in self.scheduler.running:
             if seq.draft_len < seq.cache_len:
                 seq.cache_len, seq.drafts, seq.draft_probs = seq.draft_len, None, None
-
-    def _feeds(self, plan: Plan, k: int, names: frozenset[str]) -> dict[str, np.ndarray]:
-        """The step's inputs for a graph with K = `k` drafts per row (the artifact's, or 0: target-only)."""
-        view, batch = self.buffers.view, len(plan)
-        # Only the blocks this step can touch (cache + fed tokens + the graph's reach): attention gathers every
-        # block of the table, and a target-only step reaches 2K positions less than the rows hold blocks for.
-        bs, reach = self.manifest.block_size, io.step_reach(k)
-        tables = [self.blocks.table(seq.request_id)[:-(-(seq.cache_len + n + reach) // bs)]
-                  for seq, n in plan.items()]
-        f = {io.ROW_OFFSETS: view(io.ROW_OFFSETS, (batch + 1,)),
-             io.BLOCK_TABLE: view(io.BLOCK_TABLE, (batch, max(len(t) for t in tables))),
-             io.DRAFT_TOKENS: view(io.DRAFT_TOKENS, (batch, k))}
-        f[io.ROW_OFFSETS][0] = 0
-        np.cumsum(list(plan.values()), out=f[io.ROW_OFFSETS][1:])
-        total = int(f[io.ROW_OFFSETS][-1])
-        f[io.TOKENS], f[io.POSITIONS] = view(io.TOKENS, (total,)), view(io.POSITIONS, (total,))
-        f[io.BLOCK_TABLE][...] = 0                   # padding entries: never read (masked by cache_lengths)
-        for i, ((seq, n), table) in enumerate(zip(plan.items(), tables)):
-            start, c = f[io.ROW_OFFSETS][i], seq.cache_len
-            f[io.TOKENS][start:start + n] = seq.tokens(c, c + n)
-            f[io.POSITIONS][start:start + n] = self._positions[c:c + n]
-            f[io.BLOCK_TABLE][i, :len(table)] = table
-            if k:
-                f[io.DRAFT_TOKENS][i] = seq.drafts if seq.is_decode and seq.drafts is not None else -1
-        if io.DRAFT_PROBS in names:
-            self._draft_probs(f, plan)
-        self._per_row_inputs(f, plan, k, names)
-        return {name: value for name, value in f.items() if name in names}
-
-    def _draft_probs(self, f: dict[str, np.ndarray], plan: Plan) -> None:
-        """draft_probs [B, K, V]: each decode row's q from its previous step; zeros (argmax drafts) elsewhere."""
-        probs = f[io.DRAFT_PROBS] = self.buffers.view(io.DRAFT_PROBS, (len(plan), self.k, self.manifest.vocab_size))
-        for i, seq in enumerate(plan):
-            if seq.is_decode and seq.drafts is not None and seq.draft_probs is not None:
-                probs[i] = seq.draft_probs
-            else:
-                probs[i] = 0.0
-
-    def _per_row_inputs(self, f: dict[str, np.ndarray], plan: Plan, k: int, names: frozenset[str]) -> None:
-        view, batch, m = self.buffers.view, len(plan), self.manifest
-        rows = list(plan)
-        generating = [seq.generates(n) for seq, n in plan.items()]
-        columns = {
-            io.CACHE_LENGTHS: [s.cache_len for s in rows],
-            io.CHUNK_NEXT_TOKENS: [-1 if g else s.token_at(s.cache_len + n)
-                                   for (s, n), g in zip(plan.items(), generating)],
-            io.TEMPERATURE: [s.params.temperature for s in rows], io.TOP_K: [s.params.top_k for s in rows],
-            io.TOP_P: [s.params.top_p for s in rows], io.MIN_P: [s.params.min_p for s in rows],
-            io.IN_THINKING_PHASE: [s.thinking for s in rows],
-        }
-        for name, values in columns.items():
-            if name in names or name == io.CACHE_LENGTHS:
-                f[name] = view(name, (batch,))
-                f[name][...] = values
-        streams = [s.noise if g else None for s, g in zip(rows, generating)]
-        # Every generating step takes a K + 1 block from the request's stream, whichever graph runs.
-        noise = batch_noise(streams, self.k + 1, m.noise_channels,
-                            out=view(io.NOISE, (batch, self.k + 1, m.noise_channels)))
-        f[io.NOISE] = noise[:, :k + 1]
-        if io.TOKEN_BITMASK in names:
-            bitmask = f[io.TOKEN_BITMASK] = view(io.TOKEN_BITMASK, (batch, k + 1, -(-m.vocab_size // 32)))
-            bitmask[...] = -1                        # unconstrained rows: every token allowed
-            for i, (seq, g) in enumerate(zip(rows, generating)):
-                if g and seq.grammar is not None:
-                    seq.grammar.fill_rows(bitmask[i], seq.drafts if seq.is_decode and k else None)
-
-    def _commit(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray], k: int) -> None:
-        """The commit rule, vectorised: every committed (row, position) pair becomes one (slot, delta row)."""
-        slots, rows = io.committed_slots(feeds[io.ROW_OFFSETS], outputs[io.NUM_ACCEPTED], feeds[io.CACHE_LENGTHS],
-                                         feeds[io.BLOCK_TABLE], num_speculative_tokens=k,
-                                         block_size=self.manifest.block_size)
-        self.backend.commit(outputs, slots, rows)
 
     def _advance(self, plan: Plan, outputs: dict[str, np.ndarray],
                  k: int) -> tuple[list[RequestOutput], list[tuple[SequenceState, int]]]:

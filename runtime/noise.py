@@ -60,7 +60,8 @@ def batch_noise(
     if out is None:
         out = np.empty(shape, dtype=np.float32)
     else:
-        out = out[: len(streams)]
+        if out.shape[0] != len(streams):
+            out = out[: len(streams)]        # (an `out` of exactly B rows is filled as it is: the same object)
         if out.shape != shape or out.dtype != np.float32:
             raise UnispecError(f"noise buffer holds {out.shape} {out.dtype}; allocate it as "
                                f"({len(streams)}+, {num_positions}, {channels}) float32")

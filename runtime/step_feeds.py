@@ -1,0 +1,150 @@
+"""One step's inputs, written in place into the host loop's persistent buffers, and where its KV commits.
+
+Per step, for every scheduled row (runtime/sequence.py says which kind):
+
+  prefill / recompute row:  tokens = the next chunk, drafts = -1, chunk_next_tokens = the token after
+                            the chunk when there is one the step does not generate from (else -1)
+  decode row:               tokens = [last generated token], drafts = the previous step's next_draft_tokens
+                            (and draft_probs = its next_draft_probs, the q they were sampled from)
+  commit:                   n = len(tokens) + num_accepted rows of the row's delta segment (len(tokens) + K
+                            rows) go to positions cache_len .. cache_len + n - 1
+
+Per-row sampling inputs come from each request's SamplingParams; `noise` from its own stream, one block
+per generating step (zeros otherwise), so seeded output does not depend on the batch, on how the
+prompt was chunked, or on preemptions; `token_bitmask` from its grammar (runtime/structured.py);
+`in_thinking_phase` from its think-token tracking when it opted into relaxed acceptance.
+
+Lean by construction (issue 18): each input is written with one numpy call from a list gathered over the
+rows, into the same view object for the same shape (PersistentInputBuffers caches them), so a backend
+that remembers what it bound rebinds nothing when a step repeats the last one's shape; the sampling
+parameters are written only when the rows changed; a decode step's commit pairs come from a fixed
+[B, K+1] grid instead of the ragged general case.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import numpy as np
+
+from runtime import manifest as io
+from runtime.backend import PersistentInputBuffers, step_bounds
+from runtime.blocks import BlockManager
+from runtime.noise import batch_noise
+from runtime.scheduler import Plan
+
+__all__ = ["StepFeeds", "decode_commit_pairs"]
+
+# input name -> the SamplingParams field it carries, one value per row
+_PARAM_COLUMNS = ((io.TEMPERATURE, "temperature"), (io.TOP_K, "top_k"), (io.TOP_P, "top_p"), (io.MIN_P, "min_p"))
+
+
+class StepFeeds:
+    """Builds the feeds of a graph with K = `k` drafts per row (the artifact's K, or 0: target-only)."""
+
+    def __init__(self, manifest: io.Manifest, specs: tuple[io.TensorSpec, ...], blocks: BlockManager) -> None:
+        self.manifest, self.blocks, self.k = manifest, blocks, manifest.num_speculative_tokens
+        self.buffers = PersistentInputBuffers(specs, step_bounds(manifest))
+        held = set(self.buffers.names())
+        self._params = tuple((name, field) for name, field in _PARAM_COLUMNS if name in held)
+        self._param_rows: list | None = None                 # the rows whose sampling params the buffers hold
+        # copied from, never grown: a row's positions plus one step's reach past them
+        self._arange = np.arange(manifest.max_model_len + 1 + io.step_reach(self.k), dtype=np.int64)
+        self._no_drafts = np.full(self.k, -1, dtype=np.int64)                         # [K]
+        self._no_probs = np.zeros((self.k, manifest.vocab_size) if io.DRAFT_PROBS in held else (0, 0),
+                                  dtype=np.float32)                                   # [K, V]: argmax drafts
+
+    def build(self, plan: Plan, k: int, names: frozenset[str]) -> dict[str, np.ndarray]:
+        view, m = self.buffers.view, self.manifest
+        rows, counts = list(plan), list(plan.values())
+        batch, total = len(rows), sum(counts)
+        f = {io.ROW_OFFSETS: view(io.ROW_OFFSETS, (batch + 1,)), io.CACHE_LENGTHS: view(io.CACHE_LENGTHS, (batch,)),
+             io.TOKENS: view(io.TOKENS, (total,)), io.POSITIONS: view(io.POSITIONS, (total,))}
+        f[io.ROW_OFFSETS][...] = [0, *accumulate(counts)]
+        cache = f[io.CACHE_LENGTHS]
+        cache[...] = [s.cache_len for s in rows]
+        if total == batch:              # one token per row (decode): the token at, and the position of, cache_len
+            f[io.TOKENS][...] = [s.token_at(s.cache_len) for s in rows]
+            f[io.POSITIONS][...] = cache
+        else:
+            f[io.TOKENS][...] = [t for s, n in plan.items() for t in s.tokens(s.cache_len, s.cache_len + n)]
+            starts = np.repeat(cache - f[io.ROW_OFFSETS][:-1], counts)                     # [S]
+            np.add(starts, self._arange[:total], out=f[io.POSITIONS])
+        f[io.BLOCK_TABLE] = self._block_table(plan, k)
+        f[io.DRAFT_TOKENS] = drafts = view(io.DRAFT_TOKENS, (batch, k))
+        if k:
+            drafts[...] = [s.drafts if s.is_decode and s.drafts is not None else self._no_drafts for s in rows]
+        if io.DRAFT_PROBS in names:     # each decode row's q from its previous step; zeros (argmax drafts) elsewhere
+            f[io.DRAFT_PROBS] = view(io.DRAFT_PROBS, (batch, self.k, m.vocab_size))
+            np.stack([s.draft_probs if s.is_decode and s.drafts is not None and s.draft_probs is not None
+                      else self._no_probs for s in rows], out=f[io.DRAFT_PROBS])
+        self._per_row_inputs(f, plan, k, names)
+        return {name: f[name] for name in names}
+
+    def _block_table(self, plan: Plan, k: int) -> np.ndarray:
+        """block_table [B, max_blocks]: only the blocks this step can touch (cache + fed tokens + the graph's
+        reach): attention gathers every block of the table, and a target-only step reaches 2K positions less
+        than the rows hold blocks for."""
+        bs, reach = self.manifest.block_size, io.step_reach(k)
+        tables = [self.blocks.table(s.request_id)[:-(-(s.cache_len + n + reach) // bs)] for s, n in plan.items()]
+        width = max(map(len, tables))
+        table = self.buffers.view(io.BLOCK_TABLE, (len(tables), width))
+        table[...] = [t + [0] * (width - len(t)) for t in tables]   # padding: never read (masked by cache_lengths)
+        return table
+
+    def _per_row_inputs(self, f: dict[str, np.ndarray], plan: Plan, k: int, names: frozenset[str]) -> None:
+        view, batch, m = self.buffers.view, len(plan), self.manifest
+        rows = list(plan)
+        generating = [s.generates(n) for s, n in plan.items()]
+        if io.CHUNK_NEXT_TOKENS in names:
+            f[io.CHUNK_NEXT_TOKENS] = view(io.CHUNK_NEXT_TOKENS, (batch,))
+            f[io.CHUNK_NEXT_TOKENS][...] = [-1 if g else s.token_at(s.cache_len + n)
+                                            for (s, n), g in zip(plan.items(), generating)]
+        if io.IN_THINKING_PHASE in names:
+            f[io.IN_THINKING_PHASE] = view(io.IN_THINKING_PHASE, (batch,))
+            f[io.IN_THINKING_PHASE][...] = [s.thinking for s in rows]
+        for name, _ in self._params:
+            f[name] = view(name, (batch,))
+        if rows != self._param_rows:    # the same rows as the last step: their parameters are in place
+            self._param_rows = None
+            for name, field in self._params:
+                f[name][...] = [getattr(s.params, field) for s in rows]
+            self._param_rows = rows
+        streams = [s.noise if g else None for s, g in zip(rows, generating)]
+        # Every generating step takes a K + 1 block from the request's stream, whichever graph runs.
+        noise = batch_noise(streams, self.k + 1, m.noise_channels,
+                            out=view(io.NOISE, (batch, self.k + 1, m.noise_channels)))
+        f[io.NOISE] = noise if k == self.k else noise[:, :k + 1]
+        if io.TOKEN_BITMASK in names:
+            bitmask = f[io.TOKEN_BITMASK] = view(io.TOKEN_BITMASK, (batch, k + 1, -(-m.vocab_size // 32)))
+            bitmask[...] = -1                        # unconstrained rows: every token allowed
+            for i, (s, g) in enumerate(zip(rows, generating)):
+                if g and s.grammar is not None:
+                    s.grammar.fill_rows(bitmask[i], s.drafts if s.is_decode and k else None)
+
+    def commit_pairs(self, feeds: dict[str, np.ndarray], num_accepted: np.ndarray,
+                     k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The commit rule as (pool slot, delta row) pairs, [N] each (runtime/manifest.py committed_slots)."""
+        bs, cache, table = self.manifest.block_size, feeds[io.CACHE_LENGTHS], feeds[io.BLOCK_TABLE]
+        if feeds[io.TOKENS].shape[0] == cache.shape[0]:
+            return decode_commit_pairs(num_accepted, cache, table, num_speculative_tokens=k, block_size=bs)
+        return io.committed_slots(feeds[io.ROW_OFFSETS], num_accepted, cache, table, num_speculative_tokens=k,
+                                  block_size=bs)
+
+
+def decode_commit_pairs(
+    num_accepted: np.ndarray,    # [B] int64
+    cache_lengths: np.ndarray,   # [B] int64
+    block_table: np.ndarray,     # [B, max_blocks] int64
+    *,
+    num_speculative_tokens: int,
+    block_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`committed_slots` of a step that fed one token per row, in fewer numpy calls: the segments are a
+    [B, K+1] grid (delta row b(K+1) + j is row b's position cache_lengths[b] + j), and row b commits the
+    grid's first 1 + num_accepted[b] columns."""
+    width = num_speculative_tokens + 1
+    rows = np.flatnonzero(np.arange(width) <= num_accepted[:, None])          # [N] delta rows, row-major
+    row, column = np.divmod(rows, width)                                       # [N], [N]
+    blocks, offsets = np.divmod(cache_lengths[row] + column, block_size)       # [N], [N]
+    return block_table[row, blocks] * block_size + offsets, rows
