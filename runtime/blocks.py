@@ -60,6 +60,10 @@ class BlockManager:
         """The request's block ids in position order (a copy)."""
         return list(self._tables.get(request_id, ()))
 
+    def num_held(self, request_id: Hashable) -> int:
+        """Blocks in the request's table (without copying it)."""
+        return len(self._tables.get(request_id, ()))
+
     def missing_blocks(self, request_id: Hashable, num_positions: int) -> int:
         """How many more blocks `allocate(request_id, num_positions)` would take."""
         return max(0, self.blocks_for(num_positions) - len(self._tables.get(request_id, ())))

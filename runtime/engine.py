@@ -242,8 +242,10 @@ class Engine:
         """(the requests that finished, (row, accepted drafts) of every row that verified drafts)."""
         accepted = outputs[io.NUM_ACCEPTED].tolist()
         next_tokens = outputs[io.NEXT_TOKENS].tolist()
-        next_drafts = outputs[io.NEXT_DRAFT_TOKENS]                                      # [B, K]
+        # one copy of each for all rows (the outputs are overwritten by the next run); rows keep views of it
+        next_drafts = outputs[io.NEXT_DRAFT_TOKENS].copy()                               # [B, K]
         next_probs = outputs.get(io.NEXT_DRAFT_PROBS)                                    # [B, K, V] or None
+        next_probs = None if next_probs is None else next_probs.copy()
         finished, verified = [], []
         for i, (seq, n) in enumerate(plan.items()):
             seq.num_steps += 1
@@ -260,8 +262,8 @@ class Engine:
                 new = [*seq.drafts[:accepted[i]].tolist(), next_tokens[i]]
             elif was_decode and not self.k:
                 seq.accepted.append(0)               # a `none` artifact: every decode step accepts 0 drafts
-            seq.drafts = next_drafts[i].copy() if k else None        # target-only steps propose none
-            seq.draft_probs = None if next_probs is None else next_probs[i].copy()
+            seq.drafts = next_drafts[i] if k else None               # target-only steps propose none
+            seq.draft_probs = None if next_probs is None else next_probs[i]
             added = self._append(seq, new)
             if seq.finish_reason is not None:
                 finished.append(self._finish(seq, added))

@@ -104,7 +104,7 @@ class Scheduler:
 
     def _fit(self, seq: SequenceState, n: int) -> int:
         """The most of `n` tokens (all of them for a decode row) the held and free blocks can take."""
-        held = len(self.blocks.table(seq.request_id))
+        held = self.blocks.num_held(seq.request_id)
         capacity = (held + self.blocks.num_free) * self.blocks.block_size - self._reach(seq, 0)
         if seq.is_decode:
             return n if capacity >= n else 0

@@ -36,14 +36,13 @@ Forcing: `speculation="always"` (the speculative graph every step) or `"never"` 
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter, deque
 from collections.abc import Sequence
 
 from runtime.errors import InvalidRequestError
 from runtime.sequence import SequenceState
 
-__all__ = ["MODES", "SPECULATIVE", "TARGET_ONLY", "SpeculationPolicy"]
+__all__ = ["MODES", "SPECULATIVE", "TARGET_ONLY", "SpeculationPolicy", "lower_quartile"]
 
 MODES = ("auto", "always", "never")
 SPECULATIVE, TARGET_ONLY = "speculative", "target-only"     # the two kinds of step (metrics keys)
@@ -144,12 +143,21 @@ class SpeculationPolicy:
             self.samples[key] += 1
             recent = self._recent.setdefault(key, deque(maxlen=TIME_WINDOW))
             recent.append(seconds)
-            self.step_s[key] = statistics.quantiles(recent, n=4)[0] if len(recent) > 1 else seconds
+            self.step_s[key] = lower_quartile(recent) if len(recent) > 1 else seconds
         for row, accepted in verified:
             sampled = not _greedy(row)
             self.prior_seen[sampled] += 1                 # K counts as PRIOR_WEIGHT first observations
             weight = max(EMA / 4, 1.0 / (self.prior_seen[sampled] + PRIOR_WEIGHT))
             self.prior[sampled] += weight * (accepted - self.prior[sampled])
+
+
+def lower_quartile(values: Sequence[float]) -> float:
+    """statistics.quantiles(values, n=4)[0] (the 'exclusive' method), to the last bit, without its
+    generality: the policy takes one of every decode step (len(values) >= 2)."""
+    data, m = sorted(values), len(values) + 1
+    j = min(max(m // 4, 1), len(data) - 1)
+    delta = m - 4 * j
+    return (data[j - 1] * (4 - delta) + data[j] * delta) / 4
 
 
 def _gap(rows: Sequence[SequenceState]) -> float:

@@ -76,8 +76,8 @@ class StepFeeds:
             drafts[...] = [s.drafts if s.is_decode and s.drafts is not None else self._no_drafts for s in rows]
         if io.DRAFT_PROBS in names:     # each decode row's q from its previous step; zeros (argmax drafts) elsewhere
             f[io.DRAFT_PROBS] = view(io.DRAFT_PROBS, (batch, self.k, m.vocab_size))
-            np.stack([s.draft_probs if s.is_decode and s.drafts is not None and s.draft_probs is not None
-                      else self._no_probs for s in rows], out=f[io.DRAFT_PROBS])
+            f[io.DRAFT_PROBS][...] = [s.draft_probs if s.is_decode and s.drafts is not None and s.draft_probs is not None
+                                      else self._no_probs for s in rows]
         self._per_row_inputs(f, plan, k, names)
         return {name: f[name] for name in names}
 

@@ -18,6 +18,7 @@ def test_tables_grow_to_cover_positions() -> None:
     assert len(blocks.allocate("a", 5)) == 2
     assert len(blocks.allocate("a", 2)) == 2            # never shrinks
     assert blocks.num_free == 8 and blocks.missing_blocks("a", 13) == 2 and blocks.can_allocate("b", 32)
+    assert blocks.num_held("a") == 2 and blocks.num_held("b") == 0
     assert not blocks.can_allocate("b", 33)
 
 

@@ -172,3 +172,12 @@ def test_auto_mode_counts_and_times_both_graphs(tiny_artifact) -> None:
     counts, t = engine.policy.counts, engine.timings
     assert counts[SPEC] >= 1 and counts[ONLY] >= 1                          # both explored
     assert t.target_only_steps == counts[ONLY] and t.steps == sum(counts.values())
+
+
+def test_lower_quartile_is_statistics_quantiles_to_the_last_bit() -> None:
+    import statistics
+
+    rng = np.random.default_rng(0)
+    for size in range(2, 40):
+        values = (rng.random(size) * 1e-3).tolist()
+        assert sp.lower_quartile(values) == statistics.quantiles(values, n=4)[0], size
