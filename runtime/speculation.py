@@ -136,8 +136,11 @@ class SpeculationPolicy:
 
     def record(self, kind: str, rows: Sequence[SequenceState], seconds: float, all_decode: bool,
                verified: Sequence[tuple[SequenceState, int]]) -> None:
-        """What a step cost (decode steps only: prefill chunks cost by their length) and accepted."""
+        """What a step cost (decode steps only: prefill chunks cost by their length) and accepted; only
+        the steps are counted when the policy does not choose (a forced mode, no target-only graph)."""
         self.counts[kind] += 1
+        if not self.adaptive:
+            return
         if all_decode:
             key = (kind, _bucket(len(rows)), _any_sampled(rows))
             self.samples[key] += 1

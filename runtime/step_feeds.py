@@ -143,6 +143,10 @@ def decode_commit_pairs(
     """`committed_slots` of a step that fed one token per row, in fewer numpy calls: the segments are a
     [B, K+1] grid (delta row b(K+1) + j is row b's position cache_lengths[b] + j), and row b commits the
     grid's first 1 + num_accepted[b] columns."""
+    if num_speculative_tokens == 0:            # every row commits its one delta row (a target-only step)
+        rows = np.arange(len(cache_lengths))                                   # [B]
+        blocks, offsets = np.divmod(cache_lengths, block_size)                 # [B], [B]
+        return block_table[rows, blocks] * block_size + offsets, rows
     width = num_speculative_tokens + 1
     rows = np.flatnonzero(np.arange(width) <= num_accepted[:, None])          # [N] delta rows, row-major
     row, column = np.divmod(rows, width)                                       # [N], [N]

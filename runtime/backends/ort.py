@@ -109,10 +109,12 @@ class OrtBackend:
         return self._target_only.run(feeds)
 
     def commit(self, outputs: Mapping[str, np.ndarray], slots: np.ndarray, rows: np.ndarray) -> None:
-        slots, rows = np.asarray(slots, dtype=np.int64), np.asarray(rows, dtype=np.int64)   # [N], [N]
+        rows = np.asarray(rows, dtype=np.int64)                                             # [N]
+        # io.write_committed with the slots' (block, offset) split once for every pool
+        blocks, offsets = np.divmod(np.asarray(slots, dtype=np.int64), self.manifest.block_size)   # [N], [N]
         for pool in self.manifest.pools:
             if pool.delta in outputs:                # a target-only step leaves the draft pool as it is
-                io.write_committed(self.pools[pool.name], outputs[pool.delta], slots, rows, self.manifest.block_size)
+                self.pools[pool.name][blocks, :, offsets] = outputs[pool.delta][rows]
 
 
 class _Graph:
