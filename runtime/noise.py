@@ -22,7 +22,13 @@ _SEED_MODULUS = 1 << 64
 
 
 class RequestNoise:
-    """One request's uniform stream. `seed=None` picks a fresh seed (kept in `.seed` for replay)."""
+    """One request's uniform stream. `seed=None` picks a fresh seed (kept in `.seed` for replay).
+
+    Uniforms are drawn CHUNK at a time and handed out block by block: a float32 uniform takes one 32-bit
+    word of the generator, so the blocks are those that drawing block by block gives (test_noise checks
+    it), while a step costs a slice instead of a generator call, and a checkpoint is a position."""
+
+    CHUNK = 1024                                # uniforms drawn at once
 
     def __init__(self, seed: int | None = None) -> None:
         if seed is None:
@@ -30,19 +36,31 @@ class RequestNoise:
         self.seed = int(seed) % _SEED_MODULUS   # negative seeds map onto the same 64-bit space
         self.steps = 0
         self._generator = np.random.Generator(np.random.PCG64(self.seed))
+        self._drawn = np.empty(0, dtype=np.float32)   # uniforms drawn, from stream position _start on
+        self._start = self._position = 0               # _position: the next uniform to hand out
 
-    def checkpoint(self) -> tuple[dict, int]:
+    def checkpoint(self) -> tuple[int, int]:
         """Where the stream stands; `rewind` returns to it (a step that failed must not use up noise)."""
-        return self._generator.bit_generator.state, self.steps
+        return self._position, self.steps
 
-    def rewind(self, checkpoint: tuple[dict, int]) -> None:
-        self._generator.bit_generator.state, self.steps = checkpoint
+    def rewind(self, checkpoint: tuple[int, int]) -> None:
+        """Back to a checkpoint taken since the last draw from the generator began (the one before the
+        latest `next`, always)."""
+        if checkpoint[0] < self._start:
+            raise UnispecError("RequestNoise.rewind: the checkpoint is older than the uniforms still held; "
+                               "rewind to the one taken before the latest next()")
+        self._position, self.steps = checkpoint
 
     def next(self, num_positions: int, channels: int) -> np.ndarray:
-        """The next step's block: [num_positions, channels] float32 in [0, 1)."""
-        block = self._generator.random((num_positions, channels), dtype=np.float32)
+        """The next step's block: [num_positions, channels] float32 in [0, 1) (read-only)."""
+        size, at = num_positions * channels, self._position - self._start
+        if at + size > self._drawn.size:       # keep what is unread, draw a chunk more
+            fresh = self._generator.random(max(size, self.CHUNK), dtype=np.float32)
+            self._drawn, self._start, at = np.concatenate([self._drawn[at:], fresh]), self._position, 0
+            self._drawn.flags.writeable = False
+        self._position += size
         self.steps += 1
-        return block
+        return self._drawn[at:at + size].reshape(num_positions, channels)
 
 
 def batch_noise(

@@ -42,3 +42,17 @@ def test_batch_rows_do_not_depend_on_batch_composition() -> None:
 def test_a_wrong_buffer_is_refused() -> None:
     with pytest.raises(UnispecError, match="noise buffer"):
         batch_noise([RequestNoise(0)], 4, 3, out=np.zeros((1, 4, 2), dtype=np.float32))
+
+
+def test_blocks_are_the_generators_draws_block_by_block_and_rewind_to_the_last_checkpoint() -> None:
+    shapes = [(4, 3), (3, 3), (1000, 3), (4, 3)] + [(8, 3)] * 200          # odd sizes, a block over CHUNK
+    stream, direct = RequestNoise(9), np.random.Generator(np.random.PCG64(9))
+    for step, shape in enumerate(shapes):
+        mark = stream.checkpoint()
+        if step % 7 == 3:                               # a failed step: its block is drawn again
+            stream.next(*shape)
+            stream.rewind(mark)
+        assert np.array_equal(stream.next(*shape), direct.random(shape, dtype=np.float32)), step
+        assert stream.steps == step + 1
+    with pytest.raises(UnispecError, match="older than"):
+        stream.rewind((0, 0))
