@@ -96,3 +96,10 @@ def test_release_tolerates_requests_without_blocks() -> None:
     blocks.release("a")
     blocks.release("a")
     assert blocks.num_free == 4
+
+
+def test_the_blocks_freed_last_are_handed_out_first_in_their_order() -> None:
+    blocks = BlockManager(num_blocks=10, block_size=2)
+    assert blocks.allocate("a", 6) == [0, 1, 2] and blocks.allocate("b", 4) == [3, 4]
+    blocks.free("a")
+    assert blocks.allocate("c", 8) == [0, 1, 2, 5]      # a's blocks again (warm), then fresh ones
