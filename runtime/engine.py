@@ -242,8 +242,8 @@ class Engine:
         """(the requests that finished, (row, accepted drafts) of every row that verified drafts)."""
         accepted = outputs[io.NUM_ACCEPTED].tolist()
         next_tokens = outputs[io.NEXT_TOKENS].tolist()
-        # one copy of each for all rows (the outputs are overwritten by the next run); rows keep views of it
-        next_drafts = outputs[io.NEXT_DRAFT_TOKENS].copy()                               # [B, K]
+        # copies for all rows at once (the outputs are overwritten by the next run): lists, and views of one array
+        next_drafts = outputs[io.NEXT_DRAFT_TOKENS].tolist()                             # [B][K]
         next_probs = outputs.get(io.NEXT_DRAFT_PROBS)                                    # [B, K, V] or None
         next_probs = None if next_probs is None else next_probs.copy()
         finished, verified = [], []
@@ -259,7 +259,7 @@ class Engine:
             if was_decode and k and seq.drafts is not None:          # drafts were verified
                 seq.accepted.append(accepted[i])
                 verified.append((seq, accepted[i]))
-                new = [*seq.drafts[:accepted[i]].tolist(), next_tokens[i]]
+                new = [*seq.drafts[:accepted[i]], next_tokens[i]]
             elif was_decode and not self.k:
                 seq.accepted.append(0)               # a `none` artifact: every decode step accepts 0 drafts
             seq.drafts = next_drafts[i] if k else None               # target-only steps propose none

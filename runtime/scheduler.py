@@ -65,22 +65,24 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         plan: Plan = {}
-        rows = [s for s in self.running if s.is_decode] + [s for s in self.running if not s.is_decode]
-        preempted = False
+        decode = [s.is_decode for s in self.running]
+        rows = [s for s, d in zip(self.running, decode) if d] + [s for s, d in zip(self.running, decode) if not d]
+        used, preempted = 0, []                             # tokens planned so far, rows preempted this step
         for seq in rows:
-            budget = self.max_tokens_per_step - sum(plan.values())
+            budget = self.max_tokens_per_step - used
             n = 1 if seq.is_decode else min(seq.chunk_limit, self.prefill_chunk, budget)
-            if seq not in self.running or n < 1 or budget < 1:
+            if n < 1 or budget < 1 or (preempted and seq not in self.running):
                 continue                                   # preempted above, or no tokens left this step
             while (fits := self._fit(seq, n)) < 1:
                 victim = self.running[-1]
                 self._preempt(victim)
-                plan.pop(victim, None)
-                preempted = True
+                used -= plan.pop(victim, 0)
+                preempted.append(victim)
                 if victim is seq:
                     break
             if fits >= 1:
                 plan[seq] = self._take(seq, fits)
+                used += fits
         if not preempted:
             self._admit(plan)
         return plan
@@ -111,7 +113,9 @@ class Scheduler:
         return max(0, min(n, capacity))
 
     def _take(self, seq: SequenceState, n: int) -> int:
-        self.blocks.allocate(seq.request_id, self._reach(seq, n))
+        reach = self._reach(seq, n)
+        if self.blocks.missing_blocks(seq.request_id, reach):      # (most decode steps need no new block)
+            self.blocks.allocate(seq.request_id, reach)
         return n
 
     def _preempt(self, seq: SequenceState) -> None:

@@ -108,7 +108,7 @@ class SequenceState:
     generated: list[int] = field(default_factory=list)
     cache_len: int = 0                           # tokens committed to the pools
     draft_len: int = 0                           # of those, the ones with draft KV (adaptive speculation)
-    drafts: np.ndarray | None = None             # [K] drafts to verify next decode step
+    drafts: list[int] | None = None              # [K] drafts to verify next decode step
     draft_probs: np.ndarray | None = None        # [K, V] the q they were sampled from (artifacts with draft_probs)
     thinking: bool = False                       # between think start and end (only with think_ids)
     accepted: list[int] = field(default_factory=list)
@@ -137,7 +137,8 @@ class SequenceState:
 
     @property
     def is_decode(self) -> bool:
-        return bool(self.generated) and self.pending == 1
+        generated = self.generated       # (pending == 1, spelled out: the host loop asks this of every row often)
+        return bool(generated) and len(self.prompt) + len(generated) - self.cache_len == 1
 
     @property
     def chunk_limit(self) -> int:

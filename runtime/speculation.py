@@ -144,7 +144,9 @@ class SpeculationPolicy:
         if all_decode:
             key = (kind, _bucket(len(rows)), _any_sampled(rows))
             self.samples[key] += 1
-            recent = self._recent.setdefault(key, deque(maxlen=TIME_WINDOW))
+            recent = self._recent.get(key)
+            if recent is None:
+                recent = self._recent[key] = deque(maxlen=TIME_WINDOW)
             recent.append(seconds)
             self.step_s[key] = lower_quartile(recent) if len(recent) > 1 else seconds
         for row, accepted in verified:

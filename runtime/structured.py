@@ -136,7 +136,7 @@ class RequestGrammar:
         """Advance by one committed token; False when the grammar does not allow it."""
         return bool(self._matcher.accept_token(int(token)))
 
-    def fill_rows(self, rows: np.ndarray, drafts: np.ndarray | None) -> None:
+    def fill_rows(self, rows: np.ndarray, drafts: Sequence[int] | None) -> None:
         """rows [K+1, W] int32 (preset to -1): row i = state after drafts[:i]; the matcher ends unchanged."""
         matcher = self._matcher
         matcher.fill_next_token_bitmask(rows, 0)

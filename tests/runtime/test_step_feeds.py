@@ -73,7 +73,7 @@ def advance(plan: dict[SequenceState, int], rng: np.random.Generator) -> None:
         s.cache_len += n
         if generates:
             s.generated.append(int(rng.integers(VOCAB)))
-            s.drafts = rng.integers(VOCAB, size=K)
+            s.drafts = rng.integers(VOCAB, size=K).tolist()
             s.draft_probs = rng.random((K, VOCAB), dtype=np.float32)
 
 
