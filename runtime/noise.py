@@ -83,6 +83,6 @@ def batch_noise(
         if out.shape != shape or out.dtype != np.float32:
             raise UnispecError(f"noise buffer holds {out.shape} {out.dtype}; allocate it as "
                                f"({len(streams)}+, {num_positions}, {channels}) float32")
-    for row, stream in enumerate(streams):
-        out[row] = 0.0 if stream is None else stream.next(num_positions, channels)
+    zeros = np.zeros((num_positions, channels), dtype=np.float32) if None in streams else None
+    out[...] = [zeros if stream is None else stream.next(num_positions, channels) for stream in streams]
     return out
