@@ -13,7 +13,10 @@
 // Attributes (ints unless said): layer, k_column, v_column (where this layer's K and V start in a pool row),
 //          scale (float), causal, sliding_window (0 = full), softcap (float, 0 = none).
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -101,11 +104,6 @@ float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-void axpy(float w, const float* x, float* y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
-}
-
 // Four queries against one key at once: the key is loaded once and the four sums reduce side by side.
 void dot4(const float* const* q, const float* key, int64_t n, float* out) {
   const float *q0 = q[0], *q1 = q[1], *q2 = q[2], *q3 = q[3];
@@ -118,6 +116,11 @@ void dot4(const float* const* q, const float* key, int64_t n, float* out) {
     s3 += q3[d] * key[d];
   }
   out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+void axpy(float w, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
 
 // y_i += w[i] * x for four rows y_i = y + i * n that share x (one value row, four queries).
@@ -134,12 +137,223 @@ void axpy4(const float* w, const float* x, float* y, int64_t n) {
   }
 }
 
-// Attention of row `row`'s new tokens, every head. `rows[j]` is the pool row of the row's past position j
-// (this layer's K|V live in it at the attribute columns). Loops run key-outer: each pool row is read once,
-// contiguously for all heads (the rows of one layer lie a block's stride apart, too far apart for the
-// hardware prefetcher, so the rows a few keys ahead are prefetched by hand), and each key and value serves
-// its whole GQA group in one pass.
-void attend(const Step& st, int64_t row, const std::vector<const float*>& rows) {
+// Eight lanes of float in a register (AVX; two SSE registers where there is no AVX): the micro-kernels below
+// keep their accumulators in these, which plain loops over small arrays do not guarantee.
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));   // the same, loaded from any float address
+
+inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+
+// Scores of 8 queries against 8 keys. `qt` holds the queries transposed, [dim][stride] (these 8 are 8
+// consecutive columns), so each step of d is one 8-wide load and eight broadcast FMAs into eight
+// independent accumulators (enough to hide the FMA latency); out[key][query].
+void scores8x8(const float* qt, int64_t stride, const float* const* keys, int64_t dim, float* out) {
+  v8 a[8] = {};
+  for (int64_t d = 0; d < dim; ++d) {
+    const v8 q = load8(qt + d * stride);
+    for (int u = 0; u < 8; ++u) a[u] += keys[u][d] * q;
+  }
+  for (int u = 0; u < 8; ++u) store8(out + 8 * u, a[u]);
+}
+
+// acc0[0:64] += sum over t of p0[t] * values[t][column:column + 64], and acc1 likewise with p1: each value
+// load serves two queries, the sums held in sixteen registers.
+void weighted64x2(const float* p0, const float* p1, const float* const* values, int64_t count, int64_t column,
+                  float* acc0, float* acc1) {
+  v8 a[8], b[8];
+  for (int u = 0; u < 8; ++u) a[u] = load8(acc0 + 8 * u), b[u] = load8(acc1 + 8 * u);
+  for (int64_t t = 0; t < count; ++t) {
+    const float w0 = p0[t], w1 = p1[t];
+    const float* x = values[t] + column;
+    for (int u = 0; u < 8; ++u) {
+      const v8 value = load8(x + 8 * u);
+      a[u] += w0 * value;
+      b[u] += w1 * value;
+    }
+  }
+  for (int u = 0; u < 8; ++u) store8(acc0 + 8 * u, a[u]), store8(acc1 + 8 * u, b[u]);
+}
+
+// e^x for x <= 0 (a score minus its running maximum) in a form loops vectorise: Cody-Waite reduction to
+// r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial for e^r (within 2 ulp of expf), the power of two built
+// in the exponent bits. x below -87 (masked keys are -inf) gives exactly 0.
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.0f ? -87.0f : x;
+  const float shift = 12582912.0f;                    // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (clamped * 1.44269504088896341f + shift) - shift;
+  const float r = (clamped - n * 0.693359375f) - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float power;
+  std::memcpy(&power, &bits, sizeof power);
+  return x < -87.0f ? 0.0f : y * power;
+}
+
+// Scales, softcaps and masks one query's scores s[0:count] against keys at positions key_at[0:count], the
+// first `cached` of them cached keys (visible unless outside the sliding window, whatever `causal` says: a
+// row's whole past precedes its new tokens); returns their maximum (-inf when none is visible).
+float prepare_scores(const Attributes& a, float* s, const int64_t* key_at, int64_t count, int64_t cached,
+                     int64_t at) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+  if (a.softcap <= 0 && a.sliding_window <= 0) {   // the common case: the past is plain scaled scores
+#pragma omp simd
+    for (int64_t u = 0; u < cached; ++u) s[u] *= a.scale;
+    t = cached;
+  }
+  for (; t < count; ++t) {
+    const int64_t position = key_at[t];
+    const bool visible = (t < cached || !a.causal || position <= at) &&
+                         (a.sliding_window <= 0 || at - position < a.sliding_window);
+    float x = s[t] * a.scale;
+    if (a.softcap > 0) x = std::tanh(x / a.softcap) * a.softcap;
+    s[t] = visible ? x : neg_inf;
+  }
+  float top = neg_inf;
+#pragma omp simd reduction(max : top)
+  for (int64_t u = 0; u < count; ++u) top = std::max(top, s[u]);
+  return top;
+}
+
+constexpr int64_t kTile = 32;                   // keys per tile
+constexpr int64_t kAhead = 8;                   // keys prefetched ahead, one at a time (attend_rows)
+
+// Asks for `bytes` from `from` on, into every cache level (a row a few keys ahead) or into L2 and below (a
+// whole tile ahead, which in L1 would evict the tile being worked on).
+template <int kLocality>
+void prefetch(const float* from, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(from) + b, 0, kLocality);
+}
+
+// Attention of row `row`'s new tokens, every head, for a step with many queries per kv head (a multi-token
+// verify or prefill chunk), flash-style: keys in tiles of kTile, each query keeping
+// a running maximum, denominator and weighted sum of values (online softmax), so a key's pool row is read
+// once, tile by tile, for every head and query. `rows[j]` is the pool row of the row's past position j (this
+// layer's K|V at the attribute columns); the new tokens' keys and values come from k and v.
+//
+// Per kv head, its queries (every new token x its GQA group) are scored together in 8x8 register blocks over
+// the queries' transpose, and values accumulated 64 columns at a time in registers. The rows of one layer
+// lie a block's stride apart, past the hardware prefetcher's reach, so rows a few keys ahead are prefetched.
+void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& rows) {
+  const Attributes& a = st.attr;
+  const int64_t t0 = st.offsets[row], t1 = st.offsets[row + 1], past = st.lengths[row];
+  const int64_t group = st.q_heads / st.kv_heads, fresh = t1 - t0, keys = past + fresh;
+  if (fresh == 0) return;
+  const int64_t dim = st.head_dim, v_dim = st.v_dim;
+  const int64_t per_head = fresh * group;                       // queries of one kv head
+  const int64_t padded = (per_head + 7) / 8 * 8;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // per kv head h, query i (i = token * group + g): its pointer, position, transpose column, running state
+  std::vector<const float*> q(st.kv_heads * per_head);
+  std::vector<int64_t> at(per_head);
+  for (int64_t h = 0; h < st.kv_heads; ++h)
+    for (int64_t i = 0; i < per_head; ++i)
+      q[h * per_head + i] = st.q + ((t0 + i / group) * st.q_heads + h * group + i % group) * dim;
+  for (int64_t i = 0; i < per_head; ++i) at[i] = st.positions[t0 + i / group];
+  std::vector<float> qt(st.kv_heads * dim * padded, 0.0f);   // [h][d][padded], padding queries zero
+  for (int64_t h = 0; h < st.kv_heads; ++h)
+      for (int64_t i = 0; i < per_head; ++i)
+        for (int64_t d = 0; d < dim; ++d) qt[(h * dim + d) * padded + i] = q[h * per_head + i][d];
+  std::vector<float> top(st.kv_heads * per_head, neg_inf), total(st.kv_heads * per_head, 0.0f);
+  std::vector<float> acc(st.kv_heads * per_head * v_dim, 0.0f);
+  std::vector<float> s(padded * kTile);                        // one head's scores of a tile, [query][key]
+  float block[64];                                             // a scores8x8 result, [key][query]
+  const float* key_rows[kTile];
+  const float* value_rows[kTile];
+  int64_t key_at[kTile];
+
+  const int64_t k_bytes = st.kv_heads * dim * 4, v_bytes = st.kv_heads * v_dim * 4;
+
+  for (int64_t j0 = 0; j0 < keys; j0 += kTile) {
+    const int64_t count = std::min(kTile, keys - j0);
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t j = j0 + t;
+      if (j + kTile < past) {                  // the next tile's row, while this tile is worked on
+        prefetch<2>(rows[j + kTile] + a.k_column, k_bytes);
+        prefetch<2>(rows[j + kTile] + a.v_column, v_bytes);
+      }
+      const bool cached = j < past;
+      key_rows[t] = cached ? rows[j] + a.k_column : st.k + (t0 + j - past) * st.kv_heads * dim;
+      value_rows[t] = cached ? rows[j] + a.v_column : st.v + (t0 + j - past) * st.kv_heads * v_dim;
+      key_at[t] = cached ? j : st.positions[t0 + j - past];
+    }
+    const int64_t cached = std::clamp<int64_t>(past - j0, 0, count);   // the tile's keys from the pool
+    for (int64_t h = 0; h < st.kv_heads; ++h) {
+      // scores s[i][t] of this head's queries against the tile's keys
+      const float* head_keys[kTile + 7];
+      for (int64_t t = 0; t < count; ++t) head_keys[t] = key_rows[t] + h * dim;
+      for (int64_t t = count; t < count + 7; ++t) head_keys[t] = head_keys[0];   // padding for the last block
+      for (int64_t i0 = 0; i0 < per_head; i0 += 8)
+        for (int64_t t = 0; t < count; t += 8) {
+          scores8x8(&qt[h * dim * padded + i0], padded, head_keys + t, dim, block);
+          for (int64_t u = 0; u < 8 && t + u < count; ++u)
+            for (int64_t i = 0; i < 8; ++i) s[(i0 + i) * kTile + t + u] = block[u * 8 + i];
+        }
+      // mask, scale, softcap; the online softmax update turns the scores into this tile's weights
+      for (int64_t i = 0; i < per_head; ++i) {
+        float* si = &s[i * kTile];
+        const float tile_top = prepare_scores(a, si, key_at, count, cached, at[i]);
+        const int64_t state = h * per_head + i;
+        if (tile_top == neg_inf) {                               // nothing of this tile is visible to it
+          std::fill(si, si + count, 0.0f);
+          continue;
+        }
+        const float new_top = std::max(top[state], tile_top);
+        const float rescale = exp_nonpositive(top[state] - new_top);   // 0 before the first visible key
+        top[state] = new_top;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < count; ++t) {
+          const float w = exp_nonpositive(si[t] - new_top);
+          si[t] = w;
+          sum += w;
+        }
+        total[state] = total[state] * rescale + sum;
+        if (rescale != 1.0f) {
+          float* out = &acc[state * v_dim];
+#pragma omp simd
+          for (int64_t c = 0; c < v_dim; ++c) out[c] *= rescale;
+        }
+      }
+      // the values, two queries at a time (each value load serves both)
+      for (int64_t i = 0; i < per_head; i += 2) {
+        const int64_t pair = std::min<int64_t>(2, per_head - i);
+        float* out = &acc[(h * per_head + i) * v_dim];
+        int64_t c = 0;
+        if (pair == 2)
+          for (; c + 64 <= v_dim; c += 64)
+            weighted64x2(&s[i * kTile], &s[(i + 1) * kTile], value_rows, count, h * v_dim + c, out + c,
+                         out + v_dim + c);
+        for (int64_t u = 0; u < pair; ++u)
+          for (int64_t column = c; column < v_dim; ++column) {
+            float x = out[u * v_dim + column];
+            for (int64_t t = 0; t < count; ++t) x += s[(i + u) * kTile + t] * value_rows[t][h * v_dim + column];
+            out[u * v_dim + column] = x;
+          }
+      }
+    }
+  }
+  for (int64_t h = 0; h < st.kv_heads; ++h)
+    for (int64_t i = 0; i < per_head; ++i) {
+      const int64_t state = h * per_head + i;
+      float* out = st.out + ((t0 + i / group) * st.q_heads + h * group + i % group) * v_dim;
+      const float inverse = 1.0f / total[state];
+      for (int64_t c = 0; c < v_dim; ++c) out[c] = acc[state * v_dim + c] * inverse;
+    }
+}
+
+// Attention of row `row`'s new tokens, every head, for a step with few queries per kv head (decode): loops
+// run key-outer over whole pool rows (each row read once, contiguously for all heads, rows a few keys ahead
+// prefetched), four queries per key load; every query's scores then lie contiguous for a vectorised softmax.
+void attend_rows(const Step& st, int64_t row, const std::vector<const float*>& rows) {
   const Attributes& a = st.attr;
   const int64_t t0 = st.offsets[row], t1 = st.offsets[row + 1], past = st.lengths[row];
   const int64_t group = st.q_heads / st.kv_heads, fresh = t1 - t0, keys = past + fresh;
@@ -152,69 +366,58 @@ void attend(const Step& st, int64_t row, const std::vector<const float*>& rows) 
     q[i] = st.q + (t0 * st.q_heads + i) * st.head_dim;
     at[i] = st.positions[t0 + i / st.q_heads];
   }
-  auto in_window = [&](int64_t i, int64_t key_position) {
-    return a.sliding_window <= 0 || at[i] - key_position < a.sliding_window;
-  };
-  // The queries of kv head h are, per token, `group` consecutive heads: score them 4 at a time.
-  auto score = [&](const float* key_row, int64_t key_stride, float* s) {
+  std::vector<float> scores(queries * keys);    // [query][key]
+  std::vector<int64_t> key_at(keys);             // each key's position
+  for (int64_t j = 0; j < keys; ++j) key_at[j] = j < past ? j : st.positions[t0 + j - past];
+  float four[4];
+  auto score = [&](const float* key_row, int64_t j) {   // every query against key j
     for (int64_t h = 0; h < st.kv_heads; ++h) {
-      const float* key = key_row + h * key_stride;
+      const float* key = key_row + h * st.head_dim;
       for (int64_t tok = 0; tok < fresh; ++tok) {
         const int64_t first = tok * st.q_heads + h * group;
         int64_t g = 0;
-        for (; g + 4 <= group; g += 4) dot4(&q[first + g], key, st.head_dim, s + first + g);
-        for (; g < group; ++g) s[first + g] = dot(q[first + g], key, st.head_dim);
+        for (; g + 4 <= group; g += 4) {
+          dot4(&q[first + g], key, st.head_dim, four);
+          for (int64_t u = 0; u < 4; ++u) scores[(first + g + u) * keys + j] = four[u];
+        }
+        for (; g < group; ++g) scores[(first + g) * keys + j] = dot(q[first + g], key, st.head_dim);
       }
     }
   };
-  constexpr int64_t kAhead = 6;                 // keys prefetched ahead
   const int64_t k_bytes = st.kv_heads * st.head_dim * 4, v_bytes = st.kv_heads * st.v_dim * 4;
-  auto prefetch = [](const float* from, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(from) + b);
-  };
-  std::vector<float> scores(keys * queries);    // [key][query]
-
   for (int64_t p = 0; p < past; ++p) {
-    if (p + kAhead < past) prefetch(rows[p + kAhead] + a.k_column, k_bytes);
-    float* s = &scores[p * queries];
-    score(rows[p] + a.k_column, st.head_dim, s);
-    for (int64_t i = 0; i < queries; ++i) s[i] = in_window(i, p) ? s[i] * a.scale : neg_inf;
+    if (p + kAhead < past) prefetch<3>(rows[p + kAhead] + a.k_column, k_bytes);
+    score(rows[p] + a.k_column, p);
   }
-  for (int64_t u = 0; u < fresh; ++u) {
-    float* s = &scores[(past + u) * queries];
-    score(st.k + (t0 + u) * st.kv_heads * st.head_dim, st.head_dim, s);
-    const int64_t key_position = st.positions[t0 + u];
-    for (int64_t i = 0; i < queries; ++i) {
-      const bool ok = (!a.causal || key_position <= at[i]) && in_window(i, key_position);
-      s[i] = ok ? s[i] * a.scale : neg_inf;
-    }
-  }
+  for (int64_t u = 0; u < fresh; ++u) score(st.k + (t0 + u) * st.kv_heads * st.head_dim, past + u);
 
-  for (int64_t i = 0; i < queries; ++i) {       // softcap, then softmax over every key of query i
-    if (a.softcap > 0)
-      for (int64_t j = 0; j < keys; ++j) {
-        float& x = scores[j * queries + i];
-        if (x != neg_inf) x = std::tanh(x / a.softcap) * a.softcap;    // masked keys stay masked
-      }
-    float top = neg_inf, total = 0.0f;
-    for (int64_t j = 0; j < keys; ++j) top = std::max(top, scores[j * queries + i]);
-    for (int64_t j = 0; j < keys; ++j) total += (scores[j * queries + i] = std::exp(scores[j * queries + i] - top));
-    for (int64_t j = 0; j < keys; ++j) scores[j * queries + i] /= total;
+  for (int64_t i = 0; i < queries; ++i) {       // scale, mask, softcap, softmax over every key of query i
+    float* si = &scores[i * keys];
+    const float top = prepare_scores(a, si, key_at.data(), keys, past, at[i]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < keys; ++j) total += (si[j] = exp_nonpositive(si[j] - top));
+    const float inverse = 1.0f / total;
+#pragma omp simd
+    for (int64_t j = 0; j < keys; ++j) si[j] *= inverse;
   }
 
   float* out = st.out + t0 * st.q_heads * st.v_dim;   // [fresh, q_heads, v_dim], accumulated in place
   std::fill(out, out + queries * st.v_dim, 0.0f);
   for (int64_t j = 0; j < keys; ++j) {
-    if (j + kAhead < past) prefetch(rows[j + kAhead] + a.v_column, v_bytes);
+    if (j + kAhead < past) prefetch<3>(rows[j + kAhead] + a.v_column, v_bytes);
     const float* value_row = j < past ? rows[j] + a.v_column : st.v + (t0 + j - past) * st.kv_heads * st.v_dim;
-    const float* w = &scores[j * queries];
     for (int64_t h = 0; h < st.kv_heads; ++h) {
       const float* value = value_row + h * st.v_dim;
       for (int64_t tok = 0; tok < fresh; ++tok) {
         const int64_t first = tok * st.q_heads + h * group;
         int64_t g = 0;
-        for (; g + 4 <= group; g += 4) axpy4(w + first + g, value, out + (first + g) * st.v_dim, st.v_dim);
-        for (; g < group; ++g) axpy(w[first + g], value, out + (first + g) * st.v_dim, st.v_dim);
+        for (; g + 4 <= group; g += 4) {
+          const float w[4] = {scores[(first + g) * keys + j], scores[(first + g + 1) * keys + j],
+                              scores[(first + g + 2) * keys + j], scores[(first + g + 3) * keys + j]};
+          axpy4(w, value, out + (first + g) * st.v_dim, st.v_dim);
+        }
+        for (; g < group; ++g) axpy(scores[(first + g) * keys + j], value, out + (first + g) * st.v_dim, st.v_dim);
       }
     }
   }
@@ -291,7 +494,8 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   for (int64_t b = 0; b < batch; ++b) {
     rows.resize(st.lengths[b]);
     for (int64_t p = 0; p < st.lengths[b]; ++p) rows[p] = st.pool_row(b, p);
-    attend(st, b, rows);
+    const int64_t per_head = (st.offsets[b + 1] - st.offsets[b]) * (st.q_heads / st.kv_heads);
+    (per_head >= 4 ? attend_tiled : attend_rows)(st, b, rows);
   }
   return nullptr;
 }
