@@ -157,6 +157,21 @@ void scores8x8(const float* qt, int64_t stride, const float* const* keys, int64_
   for (int u = 0; u < 8; ++u) store8(out + 8 * u, a[u]);
 }
 
+// The same for 16 queries (columns) at once: two loads and eight broadcasts feed sixteen FMAs per step of d
+// (out[key][16 queries]).
+void scores16x8(const float* qt, int64_t stride, const float* const* keys, int64_t dim, float* out) {
+  v8 a[8] = {}, b[8] = {};
+  for (int64_t d = 0; d < dim; ++d) {
+    const v8 q0 = load8(qt + d * stride), q1 = load8(qt + d * stride + 8);
+    for (int u = 0; u < 8; ++u) {
+      const float k = keys[u][d];
+      a[u] += k * q0;
+      b[u] += k * q1;
+    }
+  }
+  for (int u = 0; u < 8; ++u) store8(out + 16 * u, a[u]), store8(out + 16 * u + 8, b[u]);
+}
+
 // acc0[0:64] += sum over t of p0[t] * values[t][column:column + 64], and acc1 likewise with p1: each value
 // load serves two queries, the sums held in sixteen registers.
 void weighted64x2(const float* p0, const float* p1, const float* const* values, int64_t count, int64_t column,
@@ -265,7 +280,7 @@ void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& 
   std::vector<float> top(st.kv_heads * per_head, neg_inf), total(st.kv_heads * per_head, 0.0f);
   std::vector<float> acc(st.kv_heads * per_head * v_dim, 0.0f);
   std::vector<float> s(padded * kTile);                        // one head's scores of a tile, [query][key]
-  float block[64];                                             // a scores8x8 result, [key][query]
+  float block[128];                                            // a scores16x8 result, [key][query]
   const float* key_rows[kTile];
   const float* value_rows[kTile];
   int64_t key_at[kTile];
@@ -291,12 +306,15 @@ void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& 
       const float* head_keys[kTile + 7];
       for (int64_t t = 0; t < count; ++t) head_keys[t] = key_rows[t] + h * dim;
       for (int64_t t = count; t < count + 7; ++t) head_keys[t] = head_keys[0];   // padding for the last block
-      for (int64_t i0 = 0; i0 < per_head; i0 += 8)
+      for (int64_t i0 = 0; i0 < per_head;) {
+        const int64_t width = i0 + 16 <= padded ? 16 : 8;        // queries scored at once
         for (int64_t t = 0; t < count; t += 8) {
-          scores8x8(&qt[h * dim * padded + i0], padded, head_keys + t, dim, block);
+          (width == 16 ? scores16x8 : scores8x8)(&qt[h * dim * padded + i0], padded, head_keys + t, dim, block);
           for (int64_t u = 0; u < 8 && t + u < count; ++u)
-            for (int64_t i = 0; i < 8; ++i) s[(i0 + i) * kTile + t + u] = block[u * 8 + i];
+            for (int64_t i = 0; i < width; ++i) s[(i0 + i) * kTile + t + u] = block[u * width + i];
         }
+        i0 += width;
+      }
       // mask, scale, softcap; the online softmax update turns the scores into this tile's weights
       for (int64_t i = 0; i < per_head; ++i) {
         float* si = &s[i * kTile];
