@@ -172,22 +172,23 @@ void scores16x8(const float* qt, int64_t stride, const float* const* keys, int64
   for (int u = 0; u < 8; ++u) store8(out + 16 * u, a[u]), store8(out + 16 * u + 8, b[u]);
 }
 
-// acc0[0:64] += sum over t of p0[t] * values[t][column:column + 64], and acc1 likewise with p1: each value
-// load serves two queries, the sums held in sixteen registers.
-void weighted64x2(const float* p0, const float* p1, const float* const* values, int64_t count, int64_t column,
-                  float* acc0, float* acc1) {
-  v8 a[8], b[8];
-  for (int u = 0; u < 8; ++u) a[u] = load8(acc0 + 8 * u), b[u] = load8(acc1 + 8 * u);
+// acc0[0:8N] += sum over t of p0[t] * values[t][column:column + 8N], and acc1 likewise with p1: each value
+// load serves two queries, the 2N sums held in registers (N = 8: sixteen of them).
+template <int N>
+void weighted_pair(const float* p0, const float* p1, const float* const* values, int64_t count, int64_t column,
+                   float* acc0, float* acc1) {
+  v8 a[N], b[N];
+  for (int u = 0; u < N; ++u) a[u] = load8(acc0 + 8 * u), b[u] = load8(acc1 + 8 * u);
   for (int64_t t = 0; t < count; ++t) {
     const float w0 = p0[t], w1 = p1[t];
     const float* x = values[t] + column;
-    for (int u = 0; u < 8; ++u) {
+    for (int u = 0; u < N; ++u) {
       const v8 value = load8(x + 8 * u);
       a[u] += w0 * value;
       b[u] += w1 * value;
     }
   }
-  for (int u = 0; u < 8; ++u) store8(acc0 + 8 * u, a[u]), store8(acc1 + 8 * u, b[u]);
+  for (int u = 0; u < N; ++u) store8(acc0 + 8 * u, a[u]), store8(acc1 + 8 * u, b[u]);
 }
 
 // e^x for x <= 0 (a score minus its running maximum) in a form loops vectorise: Cody-Waite reduction to
@@ -281,6 +282,8 @@ void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& 
   std::vector<float> acc(st.kv_heads * per_head * v_dim, 0.0f);
   std::vector<float> s(padded * kTile);                        // one head's scores of a tile, [query][key]
   float block[128];                                            // a scores16x8 result, [key][query]
+  const float zeros[kTile] = {};                               // weights of the missing partner of an odd query
+  std::vector<float> scratch(v_dim);                           // and where its sums go
   const float* key_rows[kTile];
   const float* value_rows[kTile];
   int64_t key_at[kTile];
@@ -341,20 +344,21 @@ void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& 
           for (int64_t c = 0; c < v_dim; ++c) out[c] *= rescale;
         }
       }
-      // the values, two queries at a time (each value load serves both)
+      // the values, two queries at a time (each value load serves both), 64, 32, then 8 columns at a time
       for (int64_t i = 0; i < per_head; i += 2) {
-        const int64_t pair = std::min<int64_t>(2, per_head - i);
-        float* out = &acc[(h * per_head + i) * v_dim];
+        const float* p0 = &s[i * kTile];
+        const float* p1 = i + 1 < per_head ? p0 + kTile : zeros;  // an odd last query pairs with zero weights
+        float* out0 = &acc[(h * per_head + i) * v_dim];
+        float* out1 = i + 1 < per_head ? out0 + v_dim : scratch.data();
+        const int64_t column = h * v_dim;
         int64_t c = 0;
-        if (pair == 2)
-          for (; c + 64 <= v_dim; c += 64)
-            weighted64x2(&s[i * kTile], &s[(i + 1) * kTile], value_rows, count, h * v_dim + c, out + c,
-                         out + v_dim + c);
-        for (int64_t u = 0; u < pair; ++u)
-          for (int64_t column = c; column < v_dim; ++column) {
-            float x = out[u * v_dim + column];
-            for (int64_t t = 0; t < count; ++t) x += s[(i + u) * kTile + t] * value_rows[t][h * v_dim + column];
-            out[u * v_dim + column] = x;
+        for (; c + 64 <= v_dim; c += 64) weighted_pair<8>(p0, p1, value_rows, count, column + c, out0 + c, out1 + c);
+        for (; c + 32 <= v_dim; c += 32) weighted_pair<4>(p0, p1, value_rows, count, column + c, out0 + c, out1 + c);
+        for (; c + 8 <= v_dim; c += 8) weighted_pair<1>(p0, p1, value_rows, count, column + c, out0 + c, out1 + c);
+        for (; c < v_dim; ++c)
+          for (int64_t t = 0; t < count; ++t) {
+            out0[c] += p0[t] * value_rows[t][column + c];
+            out1[c] += p1[t] * value_rows[t][column + c];
           }
       }
     }

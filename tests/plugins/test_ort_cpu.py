@@ -82,11 +82,11 @@ def expected(feeds: dict[str, np.ndarray], *, layer: int, k_column: int, v_colum
 
 GEOMETRIES = [   # (new tokens per row, cached per row, q heads, kv heads, head dim, v dim, k column, v column, W)
     ([1], [9], 4, 2, 8, 8, 0, 16, 32),                                  # decode, K then V
-    ([2, 1, 4], [4, 0, 6], 6, 2, 5, 7, 15, 1, 31),                      # ragged, V before K, unequal dims
+    ([3, 1, 4], [4, 0, 6], 6, 2, 5, 7, 15, 1, 31),                      # ragged, V before K, unequal dims
     ([1, 5, 3, 0, 6], [9, 2, 0, 13, 7], 6, 3, 4, 10, 0, 12, 42),       # a row with no new token
     # several key tiles: 8-token verify (32 queries per kv head, register blocks) beside decode (4 per kv
-    # head); v dim 72 = a 64-column register pass and a tail
-    ([8, 1, 3], [45, 37, 16], 8, 2, 64, 72, 0, 128, 272),
+    # head); v dim 105 = register passes of 64, 32 and 8 columns and a tail
+    ([8, 1, 3], [45, 37, 16], 8, 2, 64, 105, 0, 128, 340),
 ]
 ATTRIBUTES = [dict(scale=0.3), dict(scale=0.3, causal=0), dict(scale=0.25, sliding_window=3, softcap=5.0)]
 
