@@ -142,15 +142,17 @@ def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
     """`name` beside `source` (model.onnx): its custom-op functions inlined and the graph optimized
     (onnxscript), for ONNX Runtime. ORT would inline the functions itself but cannot fold their shape
     arithmetic once they are inlined; this removes ~10% of the nodes a step runs. Attention that reads a
-    float32 pool first becomes unispec's in-place CPU kernel (export/ort_lowering.py). The weights stay in
+    float32 pool first becomes unispec's in-place CPU kernel (export/ort_lowering.py), and RoPE and a few
+    reshaping round trips are fused (export/ort_fusions.py). The weights stay in
     the external files (referenced, not copied)."""
     import onnx
     import onnx_ir as ir
     import onnxscript.optimizer
 
-    from export import ort_lowering
+    from export import ort_fusions, ort_lowering
 
     model = ir.load(out / source)
     ort_lowering.lower(model, ort_lowering.find_pool_reads(onnx.load(str(out / source), load_external_data=False)))
+    ort_fusions.fuse(model)
     onnxscript.optimizer.optimize_ir(model)
     ir.save(model, out / name)
