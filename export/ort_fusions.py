@@ -1,5 +1,5 @@
-"""model.ort.onnx's fusions: the exported graph's op-by-op spellings of RoPE and of a K|V round trip, rewritten
-into fewer nodes for ONNX Runtime (onnxscript's pattern rewriter does the matching).
+"""model.ort.onnx's fusions: the exported graph's op-by-op spellings of RoPE, of residual norms and of reshaping
+round trips, rewritten into fewer nodes for ONNX Runtime (onnxscript's pattern rewriter does the matching).
 
 At the bundled sizes a step is dispatch-bound (about a microsecond per node on one core), so every node that
 does no arithmetic worth its dispatch costs time; at real sizes they are a few percent. The rules:
@@ -11,6 +11,9 @@ does no arithmetic worth its dispatch costs time; at real sizes they are a few p
   exact: the tables must be built from one `f` concatenated with itself (so both halves are equal, which the
   fused op assumes), the slices must cut x's last axis at D/2, x must be rank 3 with static H and D. Anything
   else (interleaved or partial rotation, scaled tables) keeps its nodes.
+- **Residual add + RMSNormalization** -> com.microsoft `SkipSimplifiedLayerNormalization`, whose fourth output
+  is the sum (float32, norm over the last axis, a [hidden] scale).
+- **Unsqueeze after / Squeeze before a Reshape to a constant shape** fold into the Reshape.
 - **Concat then Split back** (a layer's K and V are concatenated into its KV delta row, and the attention's
   inputs split out of that again): a Split whose parts are exactly a Concat's inputs is dropped, its outputs
   replaced by those inputs.
@@ -24,9 +27,23 @@ from typing import Any
 
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
-from onnxscript.rewriter._ir_utils import get_numpy_value, is_singleton_value
 
-_INT64_MAX = 2**63 - 1
+
+def get_numpy_value(value: ir.Value | None) -> Any:
+    """The value as a numpy array when it is a constant (an initializer or a Constant node's output), else None."""
+    if value is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    return None if tensor is None else tensor.numpy()
+
+
+def is_singleton_value(value: ir.Value | None, wanted: Any) -> bool:
+    """Whether `value` is a one-element constant equal to `wanted` (or for which `wanted(v)` is true)."""
+    array = get_numpy_value(value)
+    if array is None or array.size != 1:
+        return False
+    item = array.reshape(-1)[0].item()
+    return bool(wanted(item)) if callable(wanted) else item == wanted
 
 
 class _RotateHalfRope(pattern.RewriteRuleClassBase):
@@ -179,12 +196,44 @@ def _unsqueezed_shape(shape: ir.Value, axes: ir.Value) -> list[int] | None:
     return out
 
 
+class _SkipRmsNorm(pattern.RewriteRuleClassBase):
+    """s = a + b; RMSNormalization(s, w) -> com.microsoft SkipSimplifiedLayerNormalization(a, b, w), whose
+    fourth output is s (the residual stream goes on from it)."""
+
+    def pattern(self, op: Any, a: Any, b: Any, scale: Any) -> Any:
+        total = op.Add(a, b)
+        return op.RMSNormalization(total, scale, _allow_other_attributes=True, _outputs=["normed"]), total
+
+    def check(self, context: Any, a: ir.Value, b: ir.Value, scale: ir.Value, normed: ir.Value,
+              **_: Any) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        norm = normed.producer()
+        if a.shape is None or b.shape is None or a.shape != b.shape or len(a.shape) not in (2, 3):
+            return result.fail("a and b are not tensors of one [.., hidden] shape")
+        hidden = a.shape[-1]
+        if not isinstance(hidden, int) or scale.shape is None or list(scale.shape) != [hidden]:
+            return result.fail("scale is not [hidden]")
+        if norm.attributes.get_int("axis", -1) % len(a.shape) != len(a.shape) - 1 \
+                or norm.attributes.get_int("stash_type", 1) != 1:
+            return result.fail("not a float32 norm over the last axis")
+        if a.dtype != ir.DataType.FLOAT or b.dtype != ir.DataType.FLOAT or scale.dtype != ir.DataType.FLOAT:
+            return result.fail("not float32")
+        return result
+
+    def rewrite(self, op: Any, a: ir.Value, b: ir.Value, scale: ir.Value, normed: ir.Value, **_: Any) -> Any:
+        epsilon = normed.producer().attributes.get_float("epsilon", 1e-5)
+        out, _, _, total = op.SkipSimplifiedLayerNormalization(a, b, scale, epsilon=epsilon, _domain="com.microsoft",
+                                                              _outputs=4)
+        return out, total
+
+
 RULES = pattern.RewriteRuleSet([_RotateHalfRope.rule(), _ConcatThenSplit.rule(), _ReshapeThenUnsqueeze.rule(),
-                                _SqueezeThenReshape.rule()])
+                                _SqueezeThenReshape.rule(), _SkipRmsNorm.rule()])
 
 
 def fuse(model: ir.Model) -> dict[str, int]:
-    """Apply the rules in place; how many RoPEs were fused and Splits dropped (the Identity nodes the rules
+    """Apply the rules in place; how many RoPEs and residual norms were fused and Splits dropped (the
+    Identity nodes the rules
     leave are removed by onnxscript's optimizer, which write_ort_graph runs next)."""
     from onnxscript.rewriter import rewrite
 
@@ -192,7 +241,9 @@ def fuse(model: ir.Model) -> dict[str, int]:
     rewrite(model, RULES)
     after = _counts(model)
     return {"rope": after.get("RotaryEmbedding", 0) - before.get("RotaryEmbedding", 0),
-            "split": before.get("Split", 0) - after.get("Split", 0)}
+            "split": before.get("Split", 0) - after.get("Split", 0),
+            "skip_norm": after.get("SkipSimplifiedLayerNormalization", 0)
+            - before.get("SkipSimplifiedLayerNormalization", 0)}
 
 
 def _counts(model: ir.Model) -> dict[str, int]:

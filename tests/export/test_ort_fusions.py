@@ -114,3 +114,28 @@ def test_a_split_of_a_concat_reads_the_parts(tmp_path: Path) -> None:
     got = run(model, tmp_path / "after.onnx", {"k": k.numpy(), "v": v.numpy()})
     for g_, w in zip(got, KvRoundTrip()(k, v)):
         np.testing.assert_array_equal(g_, w.numpy())
+
+
+class Residual(torch.nn.Module):
+    """A pre-norm block's residual add and norm; the sum goes on as the residual stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, HEADS * DIM))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = x + y
+        return torch.nn.functional.rms_norm(total, (HEADS * DIM,), self.weight, eps=1e-6), total * 2
+
+
+def test_a_residual_add_and_norm_become_one_skip_norm(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(4, HEADS * DIM, generator=g), torch.randn(4, HEADS * DIM, generator=g)
+    model = export(Residual(), (x, y), ["x", "y"], tmp_path / "res.onnx")
+    assert ops(model)["RMSNormalization"] == 1
+    assert ort_fusions.fuse(model)["skip_norm"] == 1
+    onnxscript.optimizer.optimize_ir(model)
+    assert ops(model)["RMSNormalization"] == 0 and ops(model)["Add"] == 0
+    got = run(model, tmp_path / "after.onnx", {"x": x.numpy(), "y": y.numpy()})
+    for g_, w in zip(got, Residual()(x, y)):
+        np.testing.assert_allclose(g_, w.detach().numpy(), rtol=1e-5, atol=1e-5)
