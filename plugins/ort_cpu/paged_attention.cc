@@ -147,19 +147,20 @@ inline void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
 
 // Scores of 8 queries against 8 keys. `qt` holds the queries transposed, [dim][stride] (these 8 are 8
 // consecutive columns), so each step of d is one 8-wide load and eight broadcast FMAs into eight
-// independent accumulators (enough to hide the FMA latency); out[key][query].
-void scores8x8(const float* qt, int64_t stride, const float* const* keys, int64_t dim, float* out) {
+// independent accumulators (enough to hide the FMA latency); key u's 8 scores go to out + u * out_stride.
+void scores8x8(const float* qt, int64_t stride, const float* const* keys, int64_t dim, float* out,
+               int64_t out_stride) {
   v8 a[8] = {};
   for (int64_t d = 0; d < dim; ++d) {
     const v8 q = load8(qt + d * stride);
     for (int u = 0; u < 8; ++u) a[u] += keys[u][d] * q;
   }
-  for (int u = 0; u < 8; ++u) store8(out + 8 * u, a[u]);
+  for (int u = 0; u < 8; ++u) store8(out + u * out_stride, a[u]);
 }
 
-// The same for 16 queries (columns) at once: two loads and eight broadcasts feed sixteen FMAs per step of d
-// (out[key][16 queries]).
-void scores16x8(const float* qt, int64_t stride, const float* const* keys, int64_t dim, float* out) {
+// The same for 16 queries (columns) at once: two loads and eight broadcasts feed sixteen FMAs per step of d.
+void scores16x8(const float* qt, int64_t stride, const float* const* keys, int64_t dim, float* out,
+                int64_t out_stride) {
   v8 a[8] = {}, b[8] = {};
   for (int64_t d = 0; d < dim; ++d) {
     const v8 q0 = load8(qt + d * stride), q1 = load8(qt + d * stride + 8);
@@ -169,18 +170,18 @@ void scores16x8(const float* qt, int64_t stride, const float* const* keys, int64
       b[u] += k * q1;
     }
   }
-  for (int u = 0; u < 8; ++u) store8(out + 16 * u, a[u]), store8(out + 16 * u + 8, b[u]);
+  for (int u = 0; u < 8; ++u) store8(out + u * out_stride, a[u]), store8(out + u * out_stride + 8, b[u]);
 }
 
-// acc0[0:8N] += sum over t of p0[t] * values[t][column:column + 8N], and acc1 likewise with p1: each value
+// acc0[0:8N] += sum over t of p0[t * stride] * values[t][column:column + 8N], and acc1 likewise with p1: each value
 // load serves two queries, the 2N sums held in registers (N = 8: sixteen of them).
 template <int N>
-void weighted_pair(const float* p0, const float* p1, const float* const* values, int64_t count, int64_t column,
-                   float* acc0, float* acc1) {
+void weighted_pair(const float* p0, const float* p1, int64_t stride, const float* const* values, int64_t count,
+                   int64_t column, float* acc0, float* acc1) {
   v8 a[N], b[N];
   for (int u = 0; u < N; ++u) a[u] = load8(acc0 + 8 * u), b[u] = load8(acc1 + 8 * u);
   for (int64_t t = 0; t < count; ++t) {
-    const float w0 = p0[t], w1 = p1[t];
+    const float w0 = p0[t * stride], w1 = p1[t * stride];
     const float* x = values[t] + column;
     for (int u = 0; u < N; ++u) {
       const v8 value = load8(x + 8 * u);
@@ -248,15 +249,16 @@ void prefetch(const float* from, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(from) + b, 0, kLocality);
 }
 
-// Attention of row `row`'s new tokens, every head, for a step with many queries per kv head (a multi-token
-// verify or prefill chunk), flash-style: keys in tiles of kTile, each query keeping
+// Attention of row `row`'s new tokens, every head, for a step with 4 or more queries per kv head (decode
+// with GQA, a multi-token verify, a prefill chunk), flash-style: keys in tiles of kTile, each query keeping
 // a running maximum, denominator and weighted sum of values (online softmax), so a key's pool row is read
 // once, tile by tile, for every head and query. `rows[j]` is the pool row of the row's past position j (this
 // layer's K|V at the attribute columns); the new tokens' keys and values come from k and v.
 //
-// Per kv head, its queries (every new token x its GQA group) are scored together in 8x8 register blocks over
-// the queries' transpose, and values accumulated 64 columns at a time in registers. The rows of one layer
-// lie a block's stride apart, past the hardware prefetcher's reach, so rows a few keys ahead are prefetched.
+// Per kv head, its queries (every new token x its GQA group) are scored together in 16x8 / 8x8 register
+// blocks over the queries' transpose, written key-major so the softmax runs along contiguous rows, and the
+// values accumulated for two queries at a time in registers. The rows of one layer lie a block's stride
+// apart, past the hardware prefetcher's reach, so the next tile's rows are prefetched into L2.
 void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& rows) {
   const Attributes& a = st.attr;
   const int64_t t0 = st.offsets[row], t1 = st.offsets[row + 1], past = st.lengths[row];
@@ -264,26 +266,25 @@ void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& 
   if (fresh == 0) return;
   const int64_t dim = st.head_dim, v_dim = st.v_dim;
   const int64_t per_head = fresh * group;                       // queries of one kv head
-  const int64_t padded = (per_head + 7) / 8 * 8;
+  const int64_t padded = (per_head + 7) / 8 * 8;                // and with zero queries up to a multiple of 8
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  // per kv head h, query i (i = token * group + g): its pointer, position, transpose column, running state
-  std::vector<const float*> q(st.kv_heads * per_head);
-  std::vector<int64_t> at(per_head);
-  for (int64_t h = 0; h < st.kv_heads; ++h)
-    for (int64_t i = 0; i < per_head; ++i)
-      q[h * per_head + i] = st.q + ((t0 + i / group) * st.q_heads + h * group + i % group) * dim;
-  for (int64_t i = 0; i < per_head; ++i) at[i] = st.positions[t0 + i / group];
+  // query i of kv head h (i = token * group + g): its position, its column of the transpose, its running state
+  // (maximum, denominator: [h][padded]; weighted sum of values: [h][per_head][v_dim])
+  std::vector<int64_t> at(padded);
+  for (int64_t i = 0; i < padded; ++i) at[i] = st.positions[t0 + std::min(i, per_head - 1) / group];
   std::vector<float> qt(st.kv_heads * dim * padded, 0.0f);   // [h][d][padded], padding queries zero
   for (int64_t h = 0; h < st.kv_heads; ++h)
-      for (int64_t i = 0; i < per_head; ++i)
-        for (int64_t d = 0; d < dim; ++d) qt[(h * dim + d) * padded + i] = q[h * per_head + i][d];
-  std::vector<float> top(st.kv_heads * per_head, neg_inf), total(st.kv_heads * per_head, 0.0f);
+    for (int64_t i = 0; i < per_head; ++i) {
+      const float* q = st.q + ((t0 + i / group) * st.q_heads + h * group + i % group) * dim;
+      for (int64_t d = 0; d < dim; ++d) qt[(h * dim + d) * padded + i] = q[d];
+    }
+  std::vector<float> top(st.kv_heads * padded, neg_inf), total(st.kv_heads * padded, 0.0f);
   std::vector<float> acc(st.kv_heads * per_head * v_dim, 0.0f);
-  std::vector<float> s(padded * kTile);                        // one head's scores of a tile, [query][key]
-  float block[128];                                            // a scores16x8 result, [key][query]
-  const float zeros[kTile] = {};                               // weights of the missing partner of an odd query
-  std::vector<float> scratch(v_dim);                           // and where its sums go
+  std::vector<float> scratch(v_dim);                           // the sums of an odd last query's padding partner
+  // one head's tile: scores, then weights, key-major ([key][padded]: a key's scores for every query side by
+  // side, so masking, maxima and exp run along contiguous rows), and per query its tile maximum etc.
+  std::vector<float> s(kTile * padded), tile_top(padded), shift(padded), rescale(padded), sum(padded);
   const float* key_rows[kTile];
   const float* value_rows[kTile];
   int64_t key_at[kTile];
@@ -304,71 +305,95 @@ void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& 
       key_at[t] = cached ? j : st.positions[t0 + j - past];
     }
     const int64_t cached = std::clamp<int64_t>(past - j0, 0, count);   // the tile's keys from the pool
+    const bool plain = cached == count && a.softcap <= 0 && a.sliding_window <= 0;   // nothing to mask
     for (int64_t h = 0; h < st.kv_heads; ++h) {
-      // scores s[i][t] of this head's queries against the tile's keys
       const float* head_keys[kTile + 7];
       for (int64_t t = 0; t < count; ++t) head_keys[t] = key_rows[t] + h * dim;
       for (int64_t t = count; t < count + 7; ++t) head_keys[t] = head_keys[0];   // padding for the last block
       for (int64_t i0 = 0; i0 < per_head;) {
         const int64_t width = i0 + 16 <= padded ? 16 : 8;        // queries scored at once
-        for (int64_t t = 0; t < count; t += 8) {
-          (width == 16 ? scores16x8 : scores8x8)(&qt[h * dim * padded + i0], padded, head_keys + t, dim, block);
-          for (int64_t u = 0; u < 8 && t + u < count; ++u)
-            for (int64_t i = 0; i < width; ++i) s[(i0 + i) * kTile + t + u] = block[u * width + i];
-        }
+        for (int64_t t = 0; t < count; t += 8)
+          (width == 16 ? scores16x8 : scores8x8)(&qt[h * dim * padded + i0], padded, head_keys + t, dim,
+                                                 &s[t * padded + i0], padded);
         i0 += width;
       }
-      // mask, scale, softcap; the online softmax update turns the scores into this tile's weights
-      for (int64_t i = 0; i < per_head; ++i) {
-        float* si = &s[i * kTile];
-        const float tile_top = prepare_scores(a, si, key_at, count, cached, at[i]);
-        const int64_t state = h * per_head + i;
-        if (tile_top == neg_inf) {                               // nothing of this tile is visible to it
-          std::fill(si, si + count, 0.0f);
-          continue;
-        }
-        const float new_top = std::max(top[state], tile_top);
-        const float rescale = exp_nonpositive(top[state] - new_top);   // 0 before the first visible key
-        top[state] = new_top;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < count; ++t) {
-          const float w = exp_nonpositive(si[t] - new_top);
-          si[t] = w;
-          sum += w;
-        }
-        total[state] = total[state] * rescale + sum;
-        if (rescale != 1.0f) {
-          float* out = &acc[state * v_dim];
+      // scale, mask, softcap; each query's maximum over the tile
+      std::fill(tile_top.begin(), tile_top.end(), neg_inf);
+      for (int64_t t = 0; t < count; ++t) {
+        float* st_ = &s[t * padded];
+        if (plain) {
 #pragma omp simd
-          for (int64_t c = 0; c < v_dim; ++c) out[c] *= rescale;
+          for (int64_t i = 0; i < padded; ++i) st_[i] *= a.scale;
+        } else {
+          const int64_t position = key_at[t];
+          for (int64_t i = 0; i < padded; ++i) {
+            const bool visible = (t < cached || !a.causal || position <= at[i]) &&
+                                 (a.sliding_window <= 0 || at[i] - position < a.sliding_window);
+            float x = st_[i] * a.scale;
+            if (a.softcap > 0) x = std::tanh(x / a.softcap) * a.softcap;
+            st_[i] = visible ? x : neg_inf;
+          }
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < padded; ++i) tile_top[i] = std::max(tile_top[i], st_[i]);
+      }
+      // the online softmax update: weights e^(s - m) against the new running maximum m (0 while a query has
+      // seen no visible key, so masked scores still give 0 and not NaN), earlier sums rescaled
+      float* head_top = &top[h * padded];
+      float* head_total = &total[h * padded];
+#pragma omp simd
+      for (int64_t i = 0; i < padded; ++i) {
+        const float m = std::max(head_top[i], tile_top[i]);
+        shift[i] = m == neg_inf ? 0.0f : m;
+        rescale[i] = exp_nonpositive(head_top[i] - shift[i]);
+        head_top[i] = m;
+        sum[i] = 0.0f;
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        float* st_ = &s[t * padded];
+#pragma omp simd
+        for (int64_t i = 0; i < padded; ++i) {
+          const float w = exp_nonpositive(st_[i] - shift[i]);
+          st_[i] = w;
+          sum[i] += w;
         }
       }
-      // the values, two queries at a time (each value load serves both), 64, 32, then 8 columns at a time
+#pragma omp simd
+      for (int64_t i = 0; i < padded; ++i) head_total[i] = head_total[i] * rescale[i] + sum[i];
+      for (int64_t i = 0; i < per_head; ++i)
+        if (rescale[i] != 1.0f) {
+          float* out = &acc[(h * per_head + i) * v_dim];
+#pragma omp simd
+          for (int64_t c = 0; c < v_dim; ++c) out[c] *= rescale[i];
+        }
+      // the values, two queries at a time (each value load serves both), 64, 32, then 8 columns at a time;
+      // an odd last query pairs with its padding neighbour, whose sums go to scratch
       for (int64_t i = 0; i < per_head; i += 2) {
-        const float* p0 = &s[i * kTile];
-        const float* p1 = i + 1 < per_head ? p0 + kTile : zeros;  // an odd last query pairs with zero weights
+        const float *p0 = &s[i], *p1 = &s[i + 1];
         float* out0 = &acc[(h * per_head + i) * v_dim];
         float* out1 = i + 1 < per_head ? out0 + v_dim : scratch.data();
         const int64_t column = h * v_dim;
         int64_t c = 0;
-        for (; c + 64 <= v_dim; c += 64) weighted_pair<8>(p0, p1, value_rows, count, column + c, out0 + c, out1 + c);
-        for (; c + 32 <= v_dim; c += 32) weighted_pair<4>(p0, p1, value_rows, count, column + c, out0 + c, out1 + c);
-        for (; c + 8 <= v_dim; c += 8) weighted_pair<1>(p0, p1, value_rows, count, column + c, out0 + c, out1 + c);
+        for (; c + 64 <= v_dim; c += 64)
+          weighted_pair<8>(p0, p1, padded, value_rows, count, column + c, out0 + c, out1 + c);
+        for (; c + 32 <= v_dim; c += 32)
+          weighted_pair<4>(p0, p1, padded, value_rows, count, column + c, out0 + c, out1 + c);
+        for (; c + 8 <= v_dim; c += 8)
+          weighted_pair<1>(p0, p1, padded, value_rows, count, column + c, out0 + c, out1 + c);
         for (; c < v_dim; ++c)
           for (int64_t t = 0; t < count; ++t) {
-            out0[c] += p0[t] * value_rows[t][column + c];
-            out1[c] += p1[t] * value_rows[t][column + c];
+            out0[c] += p0[t * padded] * value_rows[t][column + c];
+            out1[c] += p1[t * padded] * value_rows[t][column + c];
           }
       }
     }
   }
   for (int64_t h = 0; h < st.kv_heads; ++h)
     for (int64_t i = 0; i < per_head; ++i) {
-      const int64_t state = h * per_head + i;
       float* out = st.out + ((t0 + i / group) * st.q_heads + h * group + i % group) * v_dim;
-      const float inverse = 1.0f / total[state];
-      for (int64_t c = 0; c < v_dim; ++c) out[c] = acc[state * v_dim + c] * inverse;
+      const float inverse = 1.0f / total[h * padded + i];
+      const float* sums = &acc[(h * per_head + i) * v_dim];
+      for (int64_t c = 0; c < v_dim; ++c) out[c] = sums[c] * inverse;
     }
 }
 
