@@ -7,6 +7,7 @@ Only `onnx` is needed here (no torch), so reading an artifact back stays cheap.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -154,5 +155,13 @@ def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
     model = ir.load(out / source)
     ort_lowering.lower(model, ort_lowering.find_pool_reads(onnx.load(str(out / source), load_external_data=False)))
     ort_fusions.fuse(model)
-    onnxscript.optimizer.optimize_ir(model)
+    # onnx_ir's initializer deduplication warns once for every If branch that returns a constant (the step's
+    # greedy branches do): nothing is wrong, so its warnings are kept off the export's output
+    quiet = logging.getLogger("onnx_ir.passes.common.initializer_deduplication")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        onnxscript.optimizer.optimize_ir(model)
+    finally:
+        quiet.setLevel(level)
     ir.save(model, out / name)
