@@ -12,6 +12,11 @@
 // Output   [S, Hq, Dv] float32
 // Attributes (ints unless said): layer, k_column, v_column (where this layer's K and V start in a pool row),
 //          scale (float), causal, sliding_window (0 = full), softcap (float, 0 = none).
+//
+// unispec.cpu::PagedAttentionPoolRows is the same with two more inputs, for a past that is the pool with this
+// step's in-graph rows written over some of its slots (a later draft step's, export/archs/common.scatter_rows):
+//          rows [L, N, W] float32 (pool-row layout), index [N] int64 = b * P + p with P = max_blocks * bs;
+// key p of row b is then rows[layer, n] where index[n] says so, else the pool's row.
 
 #include <algorithm>
 #include <cmath>
@@ -28,7 +33,7 @@ namespace {
 using namespace ort_abi;
 
 const OrtApi* g_api = nullptr;
-constexpr size_t kNumInputs = 8;
+constexpr size_t kNumInputs = 8;       // PagedAttentionPool; PagedAttentionPoolRows adds two
 
 OrtStatus* fail(const std::string& message) {
   return call<OrtStatus* (*)(int, const char*)>(g_api, CreateStatus)(kInvalidArgument, message.c_str());
@@ -496,7 +501,37 @@ OrtStatus* check(const Tensor* t, const Step& st, int64_t tokens, int64_t batch)
   return nullptr;
 }
 
-OrtStatus* compute(void* kernel, OrtKernelContext* context) {
+// The in-graph rows of PagedAttentionPoolRows: a later draft step's past is the pool with this step's rows
+// written over some slots (export/archs/common.scatter_rows), rows [L, N, W] (pool-row layout) going to flat
+// slots index [N] = b * P + p, P = max_blocks * block_size.
+struct Overrides {
+  const float* rows = nullptr;
+  const int64_t* index = nullptr;
+  int64_t count = 0;
+};
+
+OrtStatus* read_overrides(OrtKernelContext* context, const Step& st, int64_t batch, Overrides* o) {
+  Tensor t[2];
+  for (size_t i = 0; i < 2; ++i) {
+    const OrtValue* value = nullptr;
+    RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(
+        g_api, KernelContext_GetInput)(context, kNumInputs + i, &value));
+    RETURN_IF_ERROR(read_tensor(value, &t[i]));
+  }
+  if (t[0].dims.size() != 3 || t[1].dims.size() != 1 || t[0].dims[0] != st.layers || t[0].dims[2] != st.width ||
+      t[0].dims[1] != t[1].dims[0])
+    return fail("PagedAttentionPoolRows: rows must be [layers, N, pool row width] and index [N]");
+  o->rows = static_cast<const float*>(t[0].data);
+  o->index = static_cast<const int64_t*>(t[1].data);
+  o->count = t[1].dims[0];
+  const int64_t slots = batch * st.max_blocks * st.block_size;
+  for (int64_t n = 0; n < o->count; ++n)
+    if (o->index[n] < 0 || o->index[n] >= slots)
+      return fail("PagedAttentionPoolRows: a row index outside batch x max_blocks x block_size");
+  return nullptr;
+}
+
+OrtStatus* compute(void* kernel, OrtKernelContext* context, bool with_rows) {
   Step st;
   st.attr = *static_cast<const Attributes*>(kernel);
   Tensor t[kNumInputs];
@@ -529,6 +564,8 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   st.positions = static_cast<const int64_t*>(t[6].data);
   st.lengths = static_cast<const int64_t*>(t[7].data);
   RETURN_IF_ERROR(check(t, st, tokens, batch));
+  Overrides overrides;
+  if (with_rows) RETURN_IF_ERROR(read_overrides(context, st, batch, &overrides));
 
   const int64_t out_dims[3] = {tokens, st.q_heads, st.v_dim};
   OrtValue* out = nullptr;
@@ -537,10 +574,16 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   void* data = nullptr;
   RETURN_IF_ERROR(call<OrtStatus* (*)(OrtValue*, void**)>(g_api, GetTensorMutableData)(out, &data));
   st.out = static_cast<float*>(data);
+  const int64_t slots_per_row = st.max_blocks * st.block_size;
   std::vector<const float*> rows;
   for (int64_t b = 0; b < batch; ++b) {
     rows.resize(st.lengths[b]);
     for (int64_t p = 0; p < st.lengths[b]; ++p) rows[p] = st.pool_row(b, p);
+    for (int64_t n = 0; n < overrides.count; ++n) {    // in-graph rows over their slots (the last one wins)
+      const int64_t row_of = overrides.index[n] / slots_per_row, p = overrides.index[n] % slots_per_row;
+      if (row_of == b && p < st.lengths[b])
+        rows[p] = overrides.rows + (st.attr.layer * overrides.count + n) * st.width;
+    }
     const int64_t per_head = (st.offsets[b + 1] - st.offsets[b]) * (st.q_heads / st.kv_heads);
     (per_head >= 4 ? attend_tiled : attend_rows)(st, b, rows);
   }
@@ -557,13 +600,11 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*
   return nullptr;
 }
 
-OrtCustomOp make_op() {
+OrtCustomOp make_op(bool with_rows) {
   OrtCustomOp op{};
   op.version = kCustomOpVersion;
-  op.GetName = [](const OrtCustomOp*) { return "PagedAttentionPool"; };
   op.GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) { return kNumInputs; };
-  op.GetInputType = [](const OrtCustomOp*, size_t i) { return int(i < 4 ? kFloat : kInt64); };
+  op.GetInputType = [](const OrtCustomOp*, size_t i) { return int(i < 4 || i == kNumInputs ? kFloat : kInt64); };
   op.GetOutputTypeCount = [](const OrtCustomOp*) { return size_t(1); };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return int(kFloat); };
   op.KernelDestroy = [](void* kernel) { delete static_cast<Attributes*>(kernel); };
@@ -575,11 +616,20 @@ OrtCustomOp make_op() {
   op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
   op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
   op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
+  if (with_rows) {
+    op.GetName = [](const OrtCustomOp*) { return "PagedAttentionPoolRows"; };
+    op.GetInputTypeCount = [](const OrtCustomOp*) { return kNumInputs + 2; };
+    op.KernelComputeV2 = [](void* kernel, OrtKernelContext* context) { return compute(kernel, context, true); };
+  } else {
+    op.GetName = [](const OrtCustomOp*) { return "PagedAttentionPool"; };
+    op.GetInputTypeCount = [](const OrtCustomOp*) { return kNumInputs; };
+    op.KernelComputeV2 = [](void* kernel, OrtKernelContext* context) { return compute(kernel, context, false); };
+  }
   return op;
 }
 
-OrtCustomOp g_paged_attention = make_op();
+OrtCustomOp g_paged_attention = make_op(false);
+OrtCustomOp g_paged_attention_rows = make_op(true);
 
 }  // namespace
 
@@ -591,7 +641,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   OrtCustomOpDomain* domain = nullptr;
   RETURN_IF_ERROR(call<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(g_api, CreateCustomOpDomain)(
       "unispec.cpu", &domain));
-  RETURN_IF_ERROR(call<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(g_api, CustomOpDomain_Add)(
-      domain, &g_paged_attention));
+  for (const OrtCustomOp* op : {&g_paged_attention, &g_paged_attention_rows})
+    RETURN_IF_ERROR(call<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(g_api, CustomOpDomain_Add)(domain, op));
   return call<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(g_api, AddCustomOpDomain)(options, domain);
 }

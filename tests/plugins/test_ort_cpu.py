@@ -14,23 +14,25 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from export.archs.common import gather_pool
+from export.archs.common import gather_pool, scatter_rows
 from plugins import ort_cpu
 from plugins.paged_attention.reference import paged_attention as reference
 
 LAYERS, BLOCK = 3, 4
 INPUTS = ("q", "k", "v", "kv_pool", "block_table", "row_offsets", "positions", "cache_lengths")
+ROW_INPUTS = ("rows", "row_index")
 
 
 def model(*, layer: int, k_column: int, v_column: int, scale: float, causal: int = 1, sliding_window: int = 0,
-          softcap: float = 0.0) -> bytes:
-    types = [TensorProto.FLOAT] * 4 + [TensorProto.INT64] * 4
-    ranks = (3, 3, 3, 4, 2, 1, 1, 1)
-    node = helper.make_node("PagedAttentionPool", list(INPUTS), ["out"], domain=ort_cpu.DOMAIN, layer=layer,
-                            k_column=k_column, v_column=v_column, scale=scale, causal=causal,
-                            sliding_window=sliding_window, softcap=softcap)
+          softcap: float = 0.0, with_rows: bool = False) -> bytes:
+    types = [TensorProto.FLOAT] * 4 + [TensorProto.INT64] * 4 + [TensorProto.FLOAT, TensorProto.INT64] * with_rows
+    ranks = (3, 3, 3, 4, 2, 1, 1, 1) + (3, 1) * with_rows
+    names = INPUTS + ROW_INPUTS * with_rows
+    node = helper.make_node("PagedAttentionPoolRows" if with_rows else "PagedAttentionPool", list(names), ["out"],
+                            domain=ort_cpu.DOMAIN, layer=layer, k_column=k_column, v_column=v_column, scale=scale,
+                            causal=causal, sliding_window=sliding_window, softcap=softcap)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, [None] * r)
-                                            for n, t, r in zip(INPUTS, types, ranks)],
+                                            for n, t, r in zip(names, types, ranks)],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, [None] * 3)])
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid(ort_cpu.DOMAIN, 1)],
                               ir_version=10)
@@ -69,10 +71,16 @@ def case(seed: int, new: list[int], cached: list[int], *, q_heads: int, kv_heads
 
 
 def expected(feeds: dict[str, np.ndarray], *, layer: int, k_column: int, v_column: int, **attrs) -> np.ndarray:
-    """The torch reference over each row's past gathered from the pool."""
+    """The torch reference over each row's past gathered from the pool (with the in-graph rows written over
+    their slots, as export/archs/common.scatter_rows does, when the feeds have them)."""
     _, kv_heads, head_dim = feeds["k"].shape
     v_dim = feeds["v"].shape[2]
-    past = gather_pool(torch.from_numpy(feeds["kv_pool"]), torch.from_numpy(feeds["block_table"]))[layer]  # [B, P, W]
+    past = gather_pool(torch.from_numpy(feeds["kv_pool"]), torch.from_numpy(feeds["block_table"]))  # [L, B, P, W]
+    if "rows" in feeds:
+        slots = past.shape[2]
+        index = torch.from_numpy(feeds["row_index"])
+        past = scatter_rows(past, torch.from_numpy(feeds["rows"]).permute(1, 0, 2), index // slots, index % slots)
+    past = past[layer]                                                                               # [B, P, W]
     k_cache = past[..., k_column:k_column + kv_heads * head_dim].unflatten(-1, (kv_heads, head_dim))
     v_cache = past[..., v_column:v_column + kv_heads * v_dim].unflatten(-1, (kv_heads, v_dim))
     t = {n: torch.from_numpy(feeds[n]) for n in ("q", "k", "v", "row_offsets", "positions", "cache_lengths")}
@@ -103,6 +111,40 @@ def test_kernel_equals_the_reference_over_the_gathered_past(geometry, attrs) -> 
         want = expected(feeds, layer=layer, k_column=k_column, v_column=v_column, **reference_attrs)
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attrs", ATTRIBUTES)
+def test_in_graph_rows_replace_the_pool_rows_of_their_slots(attrs) -> None:
+    """PagedAttentionPoolRows: some slots of the past, cached and beyond, come from rows computed in the graph."""
+    new, cached, q_heads, kv_heads, head_dim, v_dim, k_column, v_column, width = GEOMETRIES[3]
+    feeds = case(7, new, [c + 4 for c in cached], q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                 v_dim=v_dim, k_column=k_column, v_column=v_column, width=width)
+    slots = feeds["block_table"].shape[1] * BLOCK
+    rng = np.random.default_rng(8)
+    # rows 0 and 2: a few slots inside their cached past (the last four positions, as a draft step writes them)
+    index = np.array([0 * slots + cached[0] + 1, 2 * slots + cached[2], 0 * slots + cached[0] + 3,
+                      2 * slots + cached[2] + 2], dtype=np.int64)
+    feeds["rows"] = rng.standard_normal((LAYERS, len(index), width), dtype=np.float32)
+    feeds["row_index"] = index
+    for layer in range(LAYERS):
+        got = session(model(layer=layer, k_column=k_column, v_column=v_column, with_rows=True, **attrs)).run(
+            None, feeds)[0]
+        reference_attrs = {**attrs, "causal": bool(attrs.get("causal", 1))}
+        want = expected(feeds, layer=layer, k_column=k_column, v_column=v_column, **reference_attrs)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        plain = {name: value for name, value in feeds.items() if name not in ROW_INPUTS}
+        assert not np.allclose(got, session(model(layer=layer, k_column=k_column, v_column=v_column, **attrs))
+                               .run(None, plain)[0])                                 # the rows were read
+
+
+def test_a_row_index_outside_the_batch_is_an_error() -> None:
+    new, cached, q_heads, kv_heads, head_dim, v_dim, k_column, v_column, width = GEOMETRIES[0]
+    feeds = case(3, new, cached, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, v_dim=v_dim,
+                 k_column=k_column, v_column=v_column, width=width)
+    slots = feeds["block_table"].shape[1] * BLOCK
+    feeds["rows"], feeds["row_index"] = np.zeros((LAYERS, 1, width), np.float32), np.array([slots], np.int64)
+    with pytest.raises(Exception, match="row index outside"):
+        session(model(layer=0, k_column=k_column, v_column=v_column, scale=0.3, with_rows=True)).run(None, feeds)
 
 
 def test_the_pool_is_only_read() -> None:
