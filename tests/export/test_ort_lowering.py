@@ -14,7 +14,7 @@ import torch
 
 import plugins
 from export.archs.common import gather_pool, scatter_rows
-from export.ort_lowering import NATIVE_DOMAIN, NATIVE_OP, PoolRead, find_pool_reads, lower
+from export.ort_lowering import NATIVE_DOMAIN, NATIVE_OP, NATIVE_ROWS_OP, PoolRead, find_pool_reads, lower
 from plugins import ort_cpu
 from plugins.paged_attention.op import paged_attention
 from plugins.paged_mla.op import paged_mla
@@ -25,18 +25,19 @@ WIDTH = 2 * HEADS * DIM
 
 
 class Attention(torch.nn.Module):
-    """Layer 1 of a pool read like gather_pool + chunk(2) (K then V); `scatter` also writes this step's K/V
-    into the gathered past first (like later draft steps), which makes the cache more than a pool read."""
+    """Layer 1 of a pool read like gather_pool + chunk(2) (K then V); `scatter` times, rows computed in the
+    graph are first written into the gathered past (like later draft steps), at positions inside the cached
+    past (each time one further on, so the second overwrites part of the first)."""
 
-    def __init__(self, scatter: bool = False) -> None:
+    def __init__(self, scatter: int = 0) -> None:
         super().__init__()
         self.scatter = scatter
 
     def forward(self, q, k, v, kv_pool, block_table, row_offsets, positions, cache_lengths):
         past = gather_pool(kv_pool, block_table).to(q.dtype)                           # [L, B, P, W]
-        if self.scatter:
-            rows = torch.cat([k, v], dim=-1).flatten(1)[:, None, :].expand(-1, LAYERS, -1)
-            past = scatter_rows(past, rows, torch.zeros_like(positions), positions)
+        for i in range(self.scatter):
+            rows = (torch.cat([k, v], dim=-1).flatten(1) * (i + 2))[:, None, :].expand(-1, LAYERS, -1)
+            past = scatter_rows(past, rows, torch.zeros_like(positions), positions - 3 + i)
         k_cache, v_cache = (t.unflatten(-1, (HEADS, DIM)) for t in past[1].chunk(2, dim=-1))
         return paged_attention(q, k, v, k_cache, v_cache, row_offsets, positions, cache_lengths, scale=0.5)
 
@@ -91,19 +92,28 @@ def test_a_pool_read_is_found_with_its_layer_and_columns(tmp_path: Path) -> None
     assert list(find_pool_reads(model).values()) == [PoolRead(io.KV_POOL, layer=1, k_column=0, v_column=0)]
 
 
-@pytest.mark.parametrize("module, dtype", [(Attention(scatter=True), torch.float32), (Attention(), torch.float16)])
-def test_caches_that_are_more_than_a_float32_pool_read_keep_their_node(tmp_path: Path, module, dtype) -> None:
-    assert find_pool_reads(export(module, feeds(dtype), tmp_path / "m.onnx")) == {}
+def test_a_float16_pool_keeps_its_node(tmp_path: Path) -> None:
+    assert find_pool_reads(export(Attention(), feeds(torch.float16), tmp_path / "m.onnx")) == {}
 
 
-@pytest.mark.parametrize("module, make_feeds", [(Attention(), feeds), (Latent(), latent_feeds)])
-def test_the_lowered_graph_computes_what_the_exported_one_does(tmp_path: Path, module, make_feeds) -> None:
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_scattered_past_is_found_with_its_in_graph_rows(tmp_path: Path, times: int) -> None:
+    (read,) = find_pool_reads(export(Attention(scatter=times), feeds(), tmp_path / "m.onnx")).values()
+    assert (read.pool, read.layer, read.k_column, read.v_column) == (io.KV_POOL, 1, 0, HEADS * DIM)
+    assert len(read.rows) == len(read.row_index) == times
+
+
+@pytest.mark.parametrize("module, make_feeds, op", [(Attention(), feeds, NATIVE_OP),
+                                                    (Attention(scatter=1), feeds, NATIVE_ROWS_OP),
+                                                    (Attention(scatter=2), feeds, NATIVE_ROWS_OP),
+                                                    (Latent(), latent_feeds, NATIVE_OP)])
+def test_the_lowered_graph_computes_what_the_exported_one_does(tmp_path: Path, module, make_feeds, op) -> None:
     inputs = make_feeds()
     model = export(module, inputs, tmp_path / "m.onnx")
     lowered = ir.from_proto(model)
     assert lower(lowered, find_pool_reads(model)) == 1
     native = [n for n in lowered.graph if n.domain == NATIVE_DOMAIN]
-    assert [n.op_type for n in native] == [NATIVE_OP]
+    assert [n.op_type for n in native] == [op]
     assert [v.name for v in native[0].inputs][3:5] == [io.KV_POOL, io.BLOCK_TABLE]
     ir.save(lowered, tmp_path / "lowered.onnx")
     options = ort.SessionOptions()
