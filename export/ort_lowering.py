@@ -258,9 +258,10 @@ def _index_source(nodes: list, producer: dict[str, int], indices: str) -> str | 
 
 def _scatter_lands(model: onnx.ModelProto, nodes: list, producer: dict[str, int], inputs: dict, read: PoolRead,
                    caches: tuple[str, ...], indices: list[str], updates: list[str]) -> bool:
-    """Run the caches' chain from the pool and each scatter's index and rows (two marked rows per scatter, on
-    two batch rows, each scatter at its own slots) and check that every marked row shows up at its slot of its
-    batch row, its columns where the pool row's would be, and that an unmarked slot still reads the pool."""
+    """Run the caches' chain from the pool and each scatter's index and rows (marked rows on two batch rows,
+    each scatter at its own slots and all at one shared slot) and check that every marked row shows up at its
+    slot of its batch row (the last scatter's at the shared one), its columns where the pool row's would be,
+    and that an unmarked slot still reads the pool."""
     from onnx import TensorProto, helper
 
     chain = _chain(nodes, producer, caches, stop=(*indices, *updates))
@@ -284,10 +285,13 @@ def _scatter_lands(model: onnx.ModelProto, nodes: list, producer: dict[str, int]
     for i, (index, rows) in enumerate(zip(indices, updates)):
         info[index] = helper.make_tensor_value_info(index, TensorProto.INT64, [None])
         info[rows] = helper.make_tensor_value_info(rows, TensorProto.FLOAT, [None, None, None])
-        marks = -1.0 - np.arange(layers * 2 * width, dtype=np.float32).reshape(layers, 2, width) - 1e4 * i
-        feeds[index] = np.array([1 + i, slots + slots - 2 - i], dtype=np.int64)   # row 0 slot 1+i, row 1 P-2-i
+        marks = -1.0 - np.arange(layers * 3 * width, dtype=np.float32).reshape(layers, 3, width) - 1e4 * i
+        # row 0 slot 1 + i and row 1 slot P - 2 - i are this scatter's own; row 1 slot 0 every scatter writes,
+        # so the last one must win there (which says in what order the kernel must take them)
+        feeds[index] = np.array([1 + i, slots + slots - 2 - i, slots], dtype=np.int64)
         feeds[rows] = marks                                                      # (the pool's are >= 0)
         landing += [(0, 1 + i, marks[read.layer, 0]), (1, slots - 2 - i, marks[read.layer, 1])]
+    landing.append((1, 0, marks[read.layer, 2]))
     try:
         outputs = _run(model, chain_nodes, sources, info, caches, feeds)
     except Exception:                                   # a chain the probe cannot run is simply not lowered
