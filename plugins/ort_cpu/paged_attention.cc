@@ -218,9 +218,19 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : y * power;
 }
 
-// Scales, softcaps and masks one query's scores s[0:count] against keys at positions key_at[0:count], the
-// first `cached` of them cached keys (visible unless outside the sliding window, whatever `causal` says: a
-// row's whole past precedes its new tokens); returns their maximum (-inf when none is visible).
+// One score of a query at position `at` against a key at `position`: scaled, softcapped, and -inf when the
+// key is hidden. A cached key is visible unless outside the sliding window, whatever `causal` says (a row's
+// whole past precedes its new tokens); a new one must also respect causality.
+inline float masked_score(const Attributes& a, float score, bool cached, int64_t position, int64_t at) {
+  const bool visible = (cached || !a.causal || position <= at) &&
+                       (a.sliding_window <= 0 || at - position < a.sliding_window);
+  float x = score * a.scale;
+  if (a.softcap > 0) x = std::tanh(x / a.softcap) * a.softcap;
+  return visible ? x : -std::numeric_limits<float>::infinity();
+}
+
+// masked_score over one query's scores s[0:count] against keys at positions key_at[0:count], the first
+// `cached` of them cached keys; returns their maximum (-inf when none is visible).
 float prepare_scores(const Attributes& a, float* s, const int64_t* key_at, int64_t count, int64_t cached,
                      int64_t at) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -230,14 +240,7 @@ float prepare_scores(const Attributes& a, float* s, const int64_t* key_at, int64
     for (int64_t u = 0; u < cached; ++u) s[u] *= a.scale;
     t = cached;
   }
-  for (; t < count; ++t) {
-    const int64_t position = key_at[t];
-    const bool visible = (t < cached || !a.causal || position <= at) &&
-                         (a.sliding_window <= 0 || at - position < a.sliding_window);
-    float x = s[t] * a.scale;
-    if (a.softcap > 0) x = std::tanh(x / a.softcap) * a.softcap;
-    s[t] = visible ? x : neg_inf;
-  }
+  for (; t < count; ++t) s[t] = masked_score(a, s[t], t < cached, key_at[t], at);
   float top = neg_inf;
 #pragma omp simd reduction(max : top)
   for (int64_t u = 0; u < count; ++u) top = std::max(top, s[u]);
@@ -330,14 +333,7 @@ void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& 
 #pragma omp simd
           for (int64_t i = 0; i < padded; ++i) st_[i] *= a.scale;
         } else {
-          const int64_t position = key_at[t];
-          for (int64_t i = 0; i < padded; ++i) {
-            const bool visible = (t < cached || !a.causal || position <= at[i]) &&
-                                 (a.sliding_window <= 0 || at[i] - position < a.sliding_window);
-            float x = st_[i] * a.scale;
-            if (a.softcap > 0) x = std::tanh(x / a.softcap) * a.softcap;
-            st_[i] = visible ? x : neg_inf;
-          }
+          for (int64_t i = 0; i < padded; ++i) st_[i] = masked_score(a, st_[i], t < cached, key_at[t], at[i]);
         }
 #pragma omp simd
         for (int64_t i = 0; i < padded; ++i) tile_top[i] = std::max(tile_top[i], st_[i]);
