@@ -158,17 +158,13 @@ def _probe(model: onnx.ModelProto, producer: dict[str, int], inputs: dict, pools
     others = {s for s in sources if s in inputs} - {*pool, io.BLOCK_TABLE}
     if len(pool) != 1 or io.BLOCK_TABLE not in sources or inputs[pool[0]].type.tensor_type.elem_type != _FLOAT:
         return None
-    shape_only = all(node.op_type == "Shape" for node in nodes for name in node.input if name in others)
-    if not shape_only:                                  # the chain reads this step's values, not just the pool
+    if not _reads_only_shapes(nodes, others):          # the chain reads this step's values, not just the pool
         return None
     pool_dims = [d.dim_value for d in inputs[pool[0]].type.tensor_type.shape.dim]
     if len(pool_dims) != 4 or 0 in pool_dims[1:]:
         return None
     _, layers, block_size, width = pool_dims
-    num_blocks = _PROBE_DIMS["num_blocks"]
-    index = np.indices((num_blocks, layers, block_size, width))
-    by_column = (index[1] * width + index[3]).astype(np.float32)                  # layer * W + column
-    by_slot = (index[0] * block_size + index[2]).astype(np.float32)               # block * bs + slot
+    by_column, by_slot = _coordinate_pools(_PROBE_DIMS["num_blocks"], layers, block_size, width)
     feeds = {name: _dummy(inputs[name]) for name in others}
     feeds[io.BLOCK_TABLE] = _PROBE_TABLE
     try:
@@ -179,8 +175,7 @@ def _probe(model: onnx.ModelProto, producer: dict[str, int], inputs: dict, pools
     expected_slots = (_PROBE_TABLE[0, :, None] * block_size + np.arange(block_size)).reshape(-1)  # [2·bs]
     starts = []
     for cache_cols, cache_slots in zip(columns, slots):
-        if cache_cols.ndim == 3:                        # MLA's latent past [B, P, R+Dr]: one head
-            cache_cols, cache_slots = cache_cols[:, :, None], cache_slots[:, :, None]
+        cache_cols, cache_slots = _with_head_axis(cache_cols), _with_head_axis(cache_slots)
         if cache_cols.ndim != 4 or cache_cols.shape[:2] != (1, 2 * block_size) or cache_cols.dtype != np.float32:
             return None
         heads, dim = cache_cols.shape[2:]
@@ -275,10 +270,9 @@ def _scatter_lands(model: onnx.ModelProto, nodes: list, producer: dict[str, int]
     if len(indices) > slots // 2 - 1:
         return False
     others = {s for s in sources if s in inputs} - {read.pool, io.BLOCK_TABLE}
-    if not all(node.op_type == "Shape" for node in chain_nodes for name in node.input if name in others):
+    if not _reads_only_shapes(chain_nodes, others):
         return False
-    index_grid = np.indices((sizes["num_blocks"], layers, block_size, width))
-    by_column = (index_grid[1] * width + index_grid[3]).astype(np.float32)
+    by_column, _ = _coordinate_pools(sizes["num_blocks"], layers, block_size, width)
     info = dict(inputs)
     feeds = {**{name: _dummy(inputs[name], sizes) for name in others}, io.BLOCK_TABLE: table, read.pool: by_column}
     landing = []                                       # (batch row, slot, the row written there)
@@ -297,8 +291,7 @@ def _scatter_lands(model: onnx.ModelProto, nodes: list, producer: dict[str, int]
     except Exception:                                   # a chain the probe cannot run is simply not lowered
         return False
     for cache, column in zip(outputs, (read.k_column, read.v_column)):
-        if cache.ndim == 3:                             # MLA's latent past: one head
-            cache = cache[:, :, None]
+        cache = _with_head_axis(cache)
         if cache.ndim != 4 or cache.shape[:2] != (2, slots):
             return False
         heads, dim = cache.shape[2:]
@@ -309,6 +302,23 @@ def _scatter_lands(model: onnx.ModelProto, nodes: list, producer: dict[str, int]
         if not np.array_equal(cache[0, 0].reshape(-1), by_column[0, read.layer, 0, columns]):
             return False
     return True
+
+
+def _reads_only_shapes(nodes: list, others: set[str]) -> bool:
+    """Whether the chain's nodes read the graph inputs `others` (besides the pool and the table) only through
+    Shape: their values would make the cache more than a read of the pool."""
+    return all(node.op_type == "Shape" for node in nodes for name in node.input if name in others)
+
+
+def _coordinate_pools(num_blocks: int, layers: int, block_size: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Probe pools whose every element names its coordinates: layer * W + column, and block * bs + slot."""
+    index = np.indices((num_blocks, layers, block_size, width))
+    return ((index[1] * width + index[3]).astype(np.float32), (index[0] * block_size + index[2]).astype(np.float32))
+
+
+def _with_head_axis(cache: np.ndarray) -> np.ndarray:
+    """A probed cache as [B, P, heads, dim]: MLA's latent past [B, P, R+Dr] is one head."""
+    return cache[:, :, None] if cache.ndim == 3 else cache
 
 
 def _chain(nodes: list, producer: dict[str, int], outputs: tuple[str, ...],
