@@ -36,9 +36,8 @@ from runtime import manifest as io  # noqa: E402
 from unispec.bench_common import default_cache_dir  # noqa: E402
 
 
-def op_times(trace: Path, runs: int) -> tuple[dict[str, dict[str, float]], float]:
-    """op type -> {ms per step, node count}, and the summed kernel ms per step, from an ORT profile."""
-    events = json.loads(trace.read_text())
+def op_times(events: list[dict[str, Any]], runs: int) -> tuple[dict[str, dict[str, float]], float]:
+    """op type -> {ms per step, node count}, and the summed kernel ms per step, from ORT profile events."""
     per_op: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"ms": 0.0, "nodes": 0})
     seen: set[str] = set()
     total_us = 0.0
@@ -138,9 +137,7 @@ def _summary(trace: Path, wall_ms: float, nodes: int, skip_runs: int = 1) -> dic
     start = kept[0]["ts"]
     timed = [e for e in events if e.get("ts", 0) >= start]
     runs = len(kept)
-    filtered = trace.with_suffix(".timed.json")
-    filtered.write_text(json.dumps(timed))
-    per_op, kernel_ms = op_times(filtered, runs)
+    per_op, kernel_ms = op_times(timed, runs)
     run_ms = sum(e["dur"] for e in kept) / 1e3 / runs
     return {"nodes": nodes, "runs": runs, "wall_ms_per_step": wall_ms, "model_run_ms": run_ms,
             "kernel_ms": kernel_ms, "ops": dict(sorted(per_op.items(), key=lambda kv: -kv[1]["ms"]))}
