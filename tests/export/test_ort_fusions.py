@@ -75,6 +75,18 @@ def ops(model: ir.Model) -> Counter:
     return Counter(node.op_type for node in model.graph)
 
 
+def fuse_then_optimize(model: ir.Model) -> dict[str, int]:
+    """What write_ort_graph runs: the fusions (how many of each fired), then onnxscript's optimizer."""
+    fired = ort_fusions.fuse(model)
+    onnxscript.optimizer.optimize_ir(model)
+    return fired
+
+
+def two_inputs(seed: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, HEADS * DIM, generator=g), torch.randn(rows, HEADS * DIM, generator=g)
+
+
 def rope_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(5, HEADS * DIM, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 3, 4, 9, 130])
 
@@ -86,8 +98,7 @@ def test_rope_becomes_one_rotary_embedding_and_computes_the_same(tmp_path: Path)
     want = run(model, tmp_path / "before.onnx", feeds)[0]
     before = ops(model)
     assert before["Neg"] == 1 and before["RotaryEmbedding"] == 0
-    assert ort_fusions.fuse(model)["rope"] == 1
-    onnxscript.optimizer.optimize_ir(model)
+    assert fuse_then_optimize(model)["rope"] == 1
     after = ops(model)
     assert after["RotaryEmbedding"] == 1 and after["Neg"] == 0 and after["Concat"] == 0
     assert sum(after.values()) < sum(before.values())
@@ -104,12 +115,10 @@ def test_look_alikes_keep_their_nodes(tmp_path: Path, variant: str) -> None:
 
 
 def test_a_split_of_a_concat_reads_the_parts(tmp_path: Path) -> None:
-    g = torch.Generator().manual_seed(1)
-    k, v = torch.randn(4, HEADS * DIM, generator=g), torch.randn(4, HEADS * DIM, generator=g)
+    k, v = two_inputs(1, rows=4)
     model = export(KvRoundTrip(), (k, v), ["k", "v"], tmp_path / "kv.onnx")
     assert ops(model)["Split"] == 1
-    assert ort_fusions.fuse(model)["split"] == 1
-    onnxscript.optimizer.optimize_ir(model)
+    assert fuse_then_optimize(model)["split"] == 1
     assert ops(model)["Split"] == 0 and ops(model)["Concat"] == 1          # the delta row is still written
     got = run(model, tmp_path / "after.onnx", {"k": k.numpy(), "v": v.numpy()})
     for g_, w in zip(got, KvRoundTrip()(k, v)):
@@ -129,12 +138,10 @@ class Residual(torch.nn.Module):
 
 
 def test_a_residual_add_and_norm_become_one_skip_norm(tmp_path: Path) -> None:
-    g = torch.Generator().manual_seed(2)
-    x, y = torch.randn(4, HEADS * DIM, generator=g), torch.randn(4, HEADS * DIM, generator=g)
+    x, y = two_inputs(2, rows=4)
     model = export(Residual(), (x, y), ["x", "y"], tmp_path / "res.onnx")
     assert ops(model)["RMSNormalization"] == 1
-    assert ort_fusions.fuse(model)["skip_norm"] == 1
-    onnxscript.optimizer.optimize_ir(model)
+    assert fuse_then_optimize(model)["skip_norm"] == 1
     assert ops(model)["RMSNormalization"] == 0 and ops(model)["Add"] == 0
     got = run(model, tmp_path / "after.onnx", {"x": x.numpy(), "y": y.numpy()})
     for g_, w in zip(got, Residual()(x, y)):
