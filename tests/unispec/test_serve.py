@@ -134,7 +134,7 @@ def _post_and_hang_up(url: str, body: dict) -> None:
     with socket.create_connection((host, int(port)), timeout=10) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
-        time.sleep(0.01)                       # for the server to read the request, not to answer it
+        time.sleep(0.05)                       # for the server to read the request, not to answer it
 
 
 def _post(url: str, path: str, body: bytes) -> tuple[int, dict]:
