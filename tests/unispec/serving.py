@@ -20,7 +20,9 @@ MODELS = ROOT / "models"
 # The bundled tokenizer has no chat template; the artifact gets this one (the server reads it from there).
 CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}# assistant:\n{% endif %}")
-MAX_MODEL_LEN = 256
+# The model's whole context (1024 positions): the cancellation test asks for answers long enough (~1000
+# tokens) that none can be done before its client hangs up.
+MAX_MODEL_LEN = 1024
 MAX_BATCH = 16
 
 

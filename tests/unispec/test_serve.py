@@ -16,7 +16,7 @@ import pytest
 
 from runtime.llm import LLM
 from runtime.sampling_params import SamplingParams
-from tests.unispec.serving import get, metric, prompts, server
+from tests.unispec.serving import MAX_MODEL_LEN, get, metric, prompts, server
 
 MODEL = "bundled-dflash"
 MAX_TOKENS = 24
@@ -99,10 +99,13 @@ def test_32_concurrent_streams_share_the_batch_and_all_finish(url, llm) -> None:
 def test_clients_that_leave_cancel_their_requests_and_free_their_blocks(url, bundled_artifact) -> None:
     cancelled = 'unispec_requests_total{endpoint="completion",finish_reason="cancelled"}'
     before = metric(url, cancelled)
+    # As long an answer as the artifact allows (~1000 tokens, a few hundred steps): a short one can be done
+    # (finish "length") before the server notices the hang-up, the bundled model being fast (~5 tokens per ms).
+    longest = json.loads((bundled_artifact / "manifest.json").read_text())["max_model_len"] - 64
 
     async def read_two_chunks_and_close(client: openai.AsyncOpenAI, prompt: str) -> None:
         stream = await client.completions.create(prompt=prompt, stream=True, **_greedy(
-            max_tokens=200, extra_body={"ignore_eos": True}))
+            max_tokens=longest, extra_body={"ignore_eos": True}))
         received = 0
         async for _ in stream:
             received += 1
@@ -115,9 +118,6 @@ def test_clients_that_leave_cancel_their_requests_and_free_their_blocks(url, bun
             await asyncio.gather(*(read_two_chunks_and_close(client, p) for p in prompts(8)))
 
     asyncio.run(run())
-    # as long an answer as the artifact allows: a short one can be done (finish "length") before the server
-    # notices the hang-up, the bundled model being fast (~5 tokens per ms)
-    longest = json.loads((bundled_artifact / "manifest.json").read_text())["max_model_len"] - 16
     _post_and_hang_up(url, {"model": MODEL, "prompt": "import sys", "max_tokens": longest, "ignore_eos": True})
     for _ in range(100):                       # the server notices each disconnect within a step or so
         if metric(url, cancelled) - before == 9 and metric(url, "unispec_kv_blocks_used") == 0:
@@ -153,7 +153,7 @@ def _post(url: str, path: str, body: bytes) -> tuple[int, dict]:
     ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens", "max_tokens=0 is invalid"),
     ({"prompt": "a", "n": 2}, 400, "n", "n=1"),
     ({"prompt": "a", "logprobs": 2}, 400, "logprobs", "not supported"),
-    ({"prompt": "def f(): return 1 " * 80}, 400, "prompt", "max_model_len"),
+    ({"prompt": "def f(): return 1 " * MAX_MODEL_LEN}, 400, "prompt", "max_model_len"),
     ({"prompt": [5000]}, 400, "prompt", "token ids must be ints in [0, 1024)"),
     ({"prompt": "a", "response_format": {"type": "json_schema"}}, 400, "response_format", "json_schema.schema"),
     ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
@@ -175,7 +175,7 @@ def test_errors_through_the_client_and_the_server_keeps_serving(url) -> None:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
     assert missing.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as too_long:
-        client.completions.create(model=MODEL, prompt="x = 1\n" * 200, stream=True)
+        client.completions.create(model=MODEL, prompt="x = 1\n" * MAX_MODEL_LEN, stream=True)
     assert too_long.value.body["code"] == "context_length_exceeded"
     assert _post(url, "/v1/completions", b"{not json")[0] == 400
     nulls = {"model": MODEL, "prompt": "a", "max_tokens": 2, "temperature": None, "top_p": None, "n": None,
