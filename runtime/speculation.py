@@ -13,8 +13,14 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
   target-only, a bucket whose speculative time is unknown borrows the nearest measured bucket's ratio
   rather than paying a recompute to explore it.
 - expected accepted drafts: each row's mean over its last ROW_WINDOW verified steps, pulled towards the
-  engine-wide mean of rows of its kind (greedy / sampled) while it has few, so new rows start informed;
-  that mean starts at K (optimistic: speculation is measured before it is judged).
+  engine-wide mean of rows of its kind (greedy / sampled) while it has few, so new rows start informed.
+  That mean is over the last PRIOR_WINDOW verified row-steps (several requests): per-request acceptance
+  varies ~3x on the bundled pairs (DFlash, greedy: 1.1 to 5.9 drafts), and a short memory (it was an
+  EMA of ~20 steps) let one or two hard requests push every later one to target-only, which then never
+  measured acceptance again (batch 1: 77% target-only, 0.96x, where speculating every step gave 1.49x).
+  Over a window of steps the mean is tokens per step, the figure a step-cost comparison needs. It
+  starts at K (optimistic: speculation is measured before it is judged), K counting as PRIOR_WEIGHT
+  steps until that many were seen.
 - switching: the target-only graph leaves the draft pool alone, so a row that decoded target-only is
   recomputed (from its first position without draft KV) before it speculates again, and its first
   speculative step has no drafts to verify. A decision therefore holds for MIN_DWELL steps; staying in
@@ -22,7 +28,8 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
   its prefill runs the drafter, rows finish unevenly, and each switch meets ORT's slow first runs on new
   shapes; measured: a decode gain of 1.09 was 0.85x overall at batch 16, DeepSeek-V3 + MTP), resuming it
   up to ENTER_MARGIN more, in proportion
-  to the tokens to recompute (full at ENTER_GAP per row). Speculation probes target-only after FIRST_PROBE
+  to the tokens to recompute (full at ENTER_GAP per row); a step whose rows are all new (nothing to
+  recompute) is decided afresh even within a target-only dwell. Speculation probes target-only after FIRST_PROBE
   steps, then twice as long each time up to PROBE_INTERVAL; target-only probes speculation (which is also
   what refreshes acceptance, only speculative steps measure it) on that schedule too, but only while its
   rows have little to recompute (at most ENTER_GAP / 4 tokens each): a probe that recomputes whole
@@ -46,7 +53,7 @@ __all__ = ["MODES", "SPECULATIVE", "TARGET_ONLY", "SpeculationPolicy", "lower_qu
 
 MODES = ("auto", "always", "never")
 SPECULATIVE, TARGET_ONLY = "speculative", "target-only"     # the two kinds of step (metrics keys)
-EMA = 0.2                  # weight of a new observation in the engine-wide acceptance
+PRIOR_WINDOW = 512         # verified row-steps the engine-wide acceptance is the mean of
 TIME_WINDOW = 16           # decode steps a step-time estimate is the lower quartile of
 STAY_MARGIN = 0.10         # relative gain above 1 that keeps speculating
 ENTER_MARGIN = 0.25        # ... and at most this much more to resume it: a recompute and a step without drafts
@@ -74,7 +81,8 @@ class SpeculationPolicy:
         self.samples: Counter[tuple[str, int, bool]] = Counter()
         self._recent: dict[tuple[str, int, bool], deque[float]] = {}
         self.prior = {False: float(k), True: float(k)}             # sampled -> engine-wide mean accepted
-        self.prior_seen = {False: 0, True: 0}
+        self._seen: dict[bool, deque[int]] = {False: deque(maxlen=PRIOR_WINDOW), True: deque(maxlen=PRIOR_WINDOW)}
+        self._seen_sum = {False: 0, True: 0}
         self.counts: Counter[str] = Counter()                      # steps of each kind
         self.current = SPECULATIVE if mode != "never" else TARGET_ONLY
         self._dwell = self._since_probe = 0
@@ -86,8 +94,8 @@ class SpeculationPolicy:
             return TARGET_ONLY                       # a `none` artifact's one graph is target-only too
         if self.mode == "always" or not self.adaptive:
             return SPECULATIVE
-        if self._dwell > 0:
-            self._dwell -= 1
+        if self._dwell > 0 and not (self.current == TARGET_ONLY and _gap(rows) == 0):
+            self._dwell -= 1                         # (rows that are all new cost no recompute to speculate)
             return self.current
         kind = self._best(rows)
         self._since_probe += 1
@@ -149,11 +157,22 @@ class SpeculationPolicy:
                 recent = self._recent[key] = deque(maxlen=TIME_WINDOW)
             recent.append(seconds)
             self.step_s[key] = lower_quartile(recent) if len(recent) > 1 else seconds
-        for row, accepted in verified:
-            sampled = not _greedy(row)
-            self.prior_seen[sampled] += 1                 # K counts as PRIOR_WEIGHT first observations
-            weight = max(EMA / 4, 1.0 / (self.prior_seen[sampled] + PRIOR_WEIGHT))
-            self.prior[sampled] += weight * (accepted - self.prior[sampled])
+        for sampled in (False, True):
+            new = [accepted for row, accepted in verified if _greedy(row) != sampled]
+            if new:
+                self._remember(sampled, new)
+
+    def _remember(self, sampled: bool, accepted: list[int]) -> None:
+        """The engine-wide mean over the last PRIOR_WINDOW verified row-steps of a kind (K standing in for
+        the ones before PRIOR_WEIGHT were seen)."""
+        seen = self._seen[sampled]
+        for a in accepted:
+            if len(seen) == seen.maxlen:
+                self._seen_sum[sampled] -= seen[0]
+            seen.append(a)
+            self._seen_sum[sampled] += a
+        missing = max(0.0, PRIOR_WEIGHT - len(seen))
+        self.prior[sampled] = (self._seen_sum[sampled] + missing * self.k) / (len(seen) + missing)
 
 
 def lower_quartile(values: Sequence[float]) -> float:

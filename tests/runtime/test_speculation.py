@@ -101,7 +101,26 @@ def test_rows_start_from_the_engine_wide_acceptance_of_their_kind() -> None:
     policy.record(SPEC, [], 1e-3, False, [(_row(), 1)] * 80 + [(_row(0.7), 0)] * 80)
     assert policy.expected_accepted(_row()) == pytest.approx(1.0, abs=0.1)
     assert policy.expected_accepted(_row(0.7)) == pytest.approx(0.0, abs=0.1)
-    assert policy.expected_accepted(_row(accepted=(3,) * 8)) > 2.0         # a row's own steps weigh more
+    assert policy.expected_accepted(_row(accepted=(3,) * 16)) > 2.0        # a row's own steps weigh more
+
+
+def test_one_hard_request_does_not_decide_for_the_next_ones() -> None:
+    """The engine-wide acceptance is a mean over many requests' steps: one request that accepts nothing
+    for a few dozen steps moves it a little, and it forgets only what fell out of its window."""
+    policy = sp.SpeculationPolicy("auto", k=7, has_target_only=True)
+    easy = [(_row(), 5)] * 10                                               # one step of a batch of 10
+    for _ in range(30):
+        policy.record(SPEC, [], 1e-3, True, easy)
+    assert policy.expected_accepted(_row()) == 5.0
+    for _ in range(40):
+        policy.record(SPEC, [], 1e-3, True, [(_row(), 0)])                 # a hard request, 40 steps
+    assert policy.expected_accepted(_row()) == pytest.approx(5.0 * 300 / 340)
+    _measured(policy, 1, 2.4e-3, 1.0e-3)
+    policy.current = ONLY
+    assert policy.choose([_row()]) == SPEC                                  # the next request speculates
+    for _ in range(sp.PRIOR_WINDOW):
+        policy.record(SPEC, [], 1e-3, True, [(_row(), 1)])
+    assert policy.expected_accepted(_row()) == 1.0                          # the window moved past all of it
 
 
 class Pattern:
