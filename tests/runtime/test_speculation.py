@@ -64,7 +64,7 @@ def test_speculation_is_measured_then_target_only_explored_then_the_cost_rule_de
     assert kinds == [ONLY] * explore
     # accepted length ~1.1 against a 2x step: target-only; rows accepting 3 of 3 would make speculation win
     assert policy.choose(rows) == ONLY
-    assert policy.choose([_row(accepted=(3,) * 8)] * 4) == SPEC
+    assert policy.choose([_row(accepted=(3,) * 16)] * 4) == SPEC
     assert policy.counts == {SPEC: sp.MIN_SAMPLES, ONLY: explore}          # record() counts the steps run
 
 
@@ -93,6 +93,24 @@ def test_the_other_mode_is_probed_now_and_then() -> None:
     assert kinds[:sp.MIN_DWELL] == [ONLY] * sp.MIN_DWELL
     assert SPEC in kinds[sp.FIRST_PROBE - 2:], "a probe of speculation after FIRST_PROBE target-only steps"
     assert policy._probe_after == 2 * sp.FIRST_PROBE                       # the next one twice as late
+
+
+def test_larger_batches_need_a_larger_gain_and_hopeless_speculation_is_not_probed() -> None:
+    policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
+    for batch in (1, 16):
+        _measured(policy, batch, 2.2e-3, 1.0e-3)
+    policy.prior[False] = 2.0                                               # as if measured
+    rows = _row(accepted=(2,) * 16)                                         # 3 tokens per 2.2x step: 1.36x
+    assert policy.choose([rows]) == SPEC                                    # over the batch-1 bar (1.1x)
+    policy._dwell = 0
+    assert policy.choose([rows] * 16) == ONLY                               # under the batch-16 bar (1.54x)
+    policy.prior[False], policy.current, policy._dwell = 0.0, ONLY, 0
+    hopeless = [_row(accepted=(0,) * 16)] * 16                              # 1 token per 2.2x step: 0.45x
+    assert [policy.choose(hopeless) for _ in range(4 * sp.FIRST_PROBE)] == [ONLY] * (4 * sp.FIRST_PROBE)
+    policy._since_probe = 0
+    within_reach = [_row(accepted=(2,) * 16)] * 16                          # ~2.3 tokens: 1.06x
+    kinds = [policy.choose(within_reach) for _ in range(sp.FIRST_PROBE)]
+    assert kinds[:-1] == [ONLY] * (sp.FIRST_PROBE - 1) and kinds[-1] == SPEC       # probed
 
 
 def test_rows_start_from_the_engine_wide_acceptance_of_their_kind() -> None:
