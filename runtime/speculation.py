@@ -6,9 +6,11 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
 
 - t_spec(B), t_target(B): this engine's own measured wall time of decode steps (every row decoding) of
   each graph, per batch-size bucket (powers of two) and per kind of step (greedy only, or some row
-  sampling: sampled steps cost more): the lower quartile of its last TIME_WINDOW decode steps, which
-  shrugs off a session's slow first runs on each new shape (ORT plans its memory; measured: ~10 steps at
-  2.5x to 1.3x) and the spikes of a shared machine, and counts once MIN_SAMPLES steps made it. Unmeasured,
+  sampling: sampled steps cost more): the lower quartile of its last TIME_WINDOW timed decode steps,
+  counted once MIN_SAMPLES made it. The first WARMUP_STEPS of each are not timed and the quartile
+  shrugs off the rest of a session's slow first runs on a new shape (ORT plans its memory; measured:
+  ~10 steps at 2.5x to 1.3x) and the spikes of a shared machine: timed from its first step, DeepSeek-V3
+  + MTP's batch-1 speculative step came out 1.35 ms against ~1.1 ms, enough to never speculate. Unmeasured,
   the current mode keeps measuring and target-only (cheap to enter) is explored from speculation; from
   target-only, a bucket whose speculative time is unknown borrows the nearest measured bucket's ratio
   rather than paying a recompute to explore it.
@@ -24,17 +26,20 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
 - switching: the target-only graph leaves the draft pool alone, so a row that decoded target-only is
   recomputed (from its first position without draft KV) before it speculates again, and its first
   speculative step has no drafts to verify. A decision therefore holds for MIN_DWELL steps; staying in
-  speculation needs a decode gain of 1 + STAY_MARGIN (what decode steps alone do not show costs it too:
-  its prefill runs the drafter, rows finish unevenly, and each switch meets ORT's slow first runs on new
-  shapes; measured: a decode gain of 1.09 was 0.85x overall at batch 16, DeepSeek-V3 + MTP), resuming it
-  up to ENTER_MARGIN more, in proportion
-  to the tokens to recompute (full at ENTER_GAP per row); a step whose rows are all new (nothing to
-  recompute) is decided afresh even within a target-only dwell. Speculation probes target-only after FIRST_PROBE
-  steps, then twice as long each time up to PROBE_INTERVAL; target-only probes speculation (which is also
+  speculation needs a decode gain of 1 + STAY_MARGIN at batch 1 (what decode steps alone do not show
+  costs it too: its prefill runs the drafter; measured at batch 1 on the five bundled pairs, speculating
+  every step gave 0.90-0.96 of the gain the decode-step model expected), resuming it up to ENTER_MARGIN
+  more, in proportion to the tokens to recompute (full at ENTER_GAP per row); a step whose rows are all new (nothing to
+  recompute) is decided afresh even within a target-only dwell. A decision that stays is looked at again
+  every RECHECK steps (the host's share of a batch-1 step is ~10%; the policy's per-step cost is kept
+  to a couple of microseconds). Speculation probes target-only after FIRST_PROBE
+  steps in a mode, then twice as long each time up to PROBE_INTERVAL; target-only probes speculation (which is also
   what refreshes acceptance, only speculative steps measure it) on that schedule too, but only while its
   rows have little to recompute (at most ENTER_GAP / 4 tokens each): a probe that recomputes whole
   sequences costs more than it can find (measured: batch 4, DeepSeek-V3 + MTP, 0.89x against 0.94x for
-  always speculating and 0.99x for never).
+  always speculating and 0.99x for never). A probe of speculation lasts MIN_DWELL / 2 steps: a request's
+  first steps accept less than its later ones (DeepSeek-V3 + MTP, greedy: 1.5 drafts in the first four,
+  2.1 after), and probes start with new requests.
 
 Batches: rows that speculate finish unevenly (a request's acceptance varies ~3x), so a batch's last rows
 decode on in small, less efficient steps, which no single step's costs show; the bar is therefore
@@ -63,11 +68,13 @@ MODES = ("auto", "always", "never")
 SPECULATIVE, TARGET_ONLY = "speculative", "target-only"     # the two kinds of step (metrics keys)
 PRIOR_WINDOW = 512         # verified row-steps the engine-wide acceptance is the mean of
 TIME_WINDOW = 16           # decode steps a step-time estimate is the lower quartile of
-STAY_MARGIN = 0.10         # relative gain above 1 that keeps speculating
+STAY_MARGIN = 0.05         # relative gain above 1 that keeps speculating (batch 1)
 ENTER_MARGIN = 0.25        # ... and at most this much more to resume it: a recompute and a step without drafts
 ENTER_GAP = 64             # tokens to recompute per row at which resuming needs all of ENTER_MARGIN
-MIN_DWELL = 16             # steps a decision holds (a probe: a quarter of that)
-MIN_SAMPLES = 8            # decode steps before a step-time estimate counts
+MIN_DWELL = 16             # steps a decision holds (a probe of speculation: half that, of target-only: a quarter)
+MIN_SAMPLES = 8            # timed decode steps before a step-time estimate counts
+WARMUP_STEPS = 4           # first decode steps of each kind / bucket left untimed
+RECHECK = 4                # steps a kept decision holds before it is looked at again
 ROW_WINDOW = 16            # a row's recent verified steps its acceptance estimate averages
 PRIOR_WEIGHT = 8.0         # how many steps the engine-wide mean counts for in a row's estimate
 FIRST_PROBE = 64           # steps in one mode before the first probe of the other; then doubling
@@ -90,6 +97,7 @@ class SpeculationPolicy:
         self.step_s: dict[tuple[str, int, bool], float] = {}       # (kind, batch bucket, sampled) -> seconds
         self.samples: Counter[tuple[str, int, bool]] = Counter()
         self._recent: dict[tuple[str, int, bool], deque[float]] = {}
+        self._runs: Counter[tuple[str, int, bool]] = Counter()     # decode steps run, timed or not
         self.prior = {False: float(k), True: float(k)}             # sampled -> engine-wide mean accepted
         self._seen: dict[bool, deque[int]] = {False: deque(maxlen=PRIOR_WINDOW), True: deque(maxlen=PRIOR_WINDOW)}
         self._seen_sum = {False: 0, True: 0}
@@ -104,18 +112,21 @@ class SpeculationPolicy:
             return TARGET_ONLY                       # a `none` artifact's one graph is target-only too
         if self.mode == "always" or not self.adaptive:
             return SPECULATIVE
-        if self._dwell > 0 and not (self.current == TARGET_ONLY and _gap(rows) == 0):
-            self._dwell -= 1                         # (rows that are all new cost no recompute to speculate)
+        self._since_probe += 1
+        if self._dwell > 0 and not (self.current == TARGET_ONLY and _all_new(rows)):
+            self._dwell -= 1
             return self.current
         kind, reach = self._best(rows)
-        self._since_probe += 1
         probe = kind == self.current and self._since_probe >= self._probe_after and \
             (kind == SPECULATIVE or (_gap(rows) <= ENTER_GAP / 4 and reach >= PROBE_REACH))
         if probe:
             kind, self._probe_after = _other(kind), min(2 * self._probe_after, PROBE_INTERVAL)
         if kind != self.current:
             self._since_probe = 0
-            self.current, self._dwell = kind, (MIN_DWELL // 4 if probe else MIN_DWELL) - 1
+            probe_dwell = MIN_DWELL // 2 if kind == SPECULATIVE else MIN_DWELL // 4
+            self.current, self._dwell = kind, (probe_dwell if probe else MIN_DWELL) - 1
+        else:
+            self._dwell = RECHECK - 1                # kept: looked at again in RECHECK steps
         return kind
 
     def _best(self, rows: Sequence[SequenceState]) -> tuple[str, float]:
@@ -137,17 +148,23 @@ class SpeculationPolicy:
         return (SPECULATIVE if gain > bar else TARGET_ONLY), gain / bar
 
     def _time(self, kind: str, bucket: int, sampled: bool) -> float | None:
+        """The step-time estimate of a key once MIN_SAMPLES steps made it (computed when asked: most steps
+        only record)."""
         key = (kind, bucket, sampled)
-        return self.step_s[key] if self.samples[key] >= MIN_SAMPLES else None
+        if self.samples[key] < MIN_SAMPLES:
+            return None
+        if key not in self.step_s:
+            self.step_s[key] = lower_quartile(self._recent[key])
+        return self.step_s[key]
 
     def _nearest_ratio(self, bucket: int, sampled: bool) -> float | None:
         """t_spec / t_target of the measured bucket nearest to `bucket` (log scale), None if none is."""
-        both = [b for (kind, b, s) in self.step_s if kind == SPECULATIVE and s == sampled
+        both = [b for (kind, b, s) in list(self.samples) if kind == SPECULATIVE and s == sampled
                 and self._time(SPECULATIVE, b, s) is not None and self._time(TARGET_ONLY, b, s) is not None]
         if not both:
             return None
         nearest = min(both, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-        return self.step_s[(SPECULATIVE, nearest, sampled)] / self.step_s[(TARGET_ONLY, nearest, sampled)]
+        return self._time(SPECULATIVE, nearest, sampled) / self._time(TARGET_ONLY, nearest, sampled)
 
     def expected_accepted(self, row: SequenceState) -> float:
         """Drafts the row is expected to accept per speculative step."""
@@ -163,13 +180,15 @@ class SpeculationPolicy:
             return
         if all_decode:
             key = (kind, _bucket(len(rows)), _any_sampled(rows))
-            self.samples[key] += 1
-            recent = self._recent.get(key)
-            if recent is None:
-                recent = self._recent[key] = deque(maxlen=TIME_WINDOW)
-            recent.append(seconds)
-            self.step_s[key] = lower_quartile(recent) if len(recent) > 1 else seconds
-        for sampled in (False, True):
+            self._runs[key] += 1
+            if self._runs[key] > WARMUP_STEPS:       # ORT's first runs of a shape are slow: not timed
+                recent = self._recent.get(key)
+                if recent is None:
+                    recent = self._recent[key] = deque(maxlen=TIME_WINDOW)
+                recent.append(seconds)
+                self.samples[key] += 1
+                self.step_s.pop(key, None)
+        for sampled in (False, True) if verified else ():
             new = [accepted for row, accepted in verified if _greedy(row) != sampled]
             if new:
                 self._remember(sampled, new)
@@ -189,7 +208,7 @@ class SpeculationPolicy:
 
 def lower_quartile(values: Sequence[float]) -> float:
     """statistics.quantiles(values, n=4)[0] (the 'exclusive' method), to the last bit, without its
-    generality: the policy takes one of every decode step (len(values) >= 2)."""
+    generality (len(values) >= 2)."""
     data, m = sorted(values), len(values) + 1
     j = min(max(m // 4, 1), len(data) - 1)
     delta = m - 4 * j
@@ -199,6 +218,12 @@ def lower_quartile(values: Sequence[float]) -> float:
 def _gap(rows: Sequence[SequenceState]) -> float:
     """Tokens per row a switch to speculation would recompute (decoded target-only since their draft KV)."""
     return sum(r.cache_len - r.draft_len for r in rows) / max(len(rows), 1)
+
+
+def _all_new(rows: Sequence[SequenceState]) -> bool:
+    """Whether no row has anything to recompute (new rows, or none decoded target-only): speculating costs
+    no more to enter than to stay in, so a target-only dwell need not hold."""
+    return all(r.cache_len == r.draft_len for r in rows)
 
 
 def _other(kind: str) -> str:

@@ -53,11 +53,13 @@ def test_forced_modes_and_artifacts_without_a_target_only_graph() -> None:
 def test_speculation_is_measured_then_target_only_explored_then_the_cost_rule_decides() -> None:
     policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
     rows = [_row(accepted=(0, 0, 1))] * 4
-    for _ in range(sp.MIN_SAMPLES):                                        # speculation first, measured
+    measured = sp.WARMUP_STEPS + sp.MIN_SAMPLES                             # the first ones are not timed
+    for i in range(measured):                                              # speculation first, measured
         assert policy.choose(rows) == SPEC
-        policy.record(SPEC, rows, 2.0e-3, True, [(r, 0) for r in rows])   # rows of this kind accept ~0
+        policy.record(SPEC, rows, 9.0e-3 if i < sp.WARMUP_STEPS else 2.0e-3, True, [(r, 0) for r in rows])
+    assert policy._time(SPEC, 4, False) == 2.0e-3                          # (rows of this kind accept ~0)
     kinds = []
-    explore = max(sp.MIN_SAMPLES, sp.MIN_DWELL)                             # measured, and the decision held
+    explore = max(measured, sp.MIN_DWELL)                                  # measured, and the decision held
     for _ in range(explore):                                               # then target-only, cheap to enter
         kinds.append(policy.choose(rows))
         policy.record(kinds[-1], rows, 1.0e-3, True, [])
@@ -65,7 +67,7 @@ def test_speculation_is_measured_then_target_only_explored_then_the_cost_rule_de
     # accepted length ~1.1 against a 2x step: target-only; rows accepting 3 of 3 would make speculation win
     assert policy.choose(rows) == ONLY
     assert policy.choose([_row(accepted=(3,) * 16)] * 4) == SPEC
-    assert policy.counts == {SPEC: sp.MIN_SAMPLES, ONLY: explore}          # record() counts the steps run
+    assert policy.counts == {SPEC: measured, ONLY: explore}                # record() counts the steps run
 
 
 def test_a_new_batch_bucket_in_target_only_mode_borrows_the_nearest_ratio() -> None:
@@ -101,9 +103,9 @@ def test_larger_batches_need_a_larger_gain_and_hopeless_speculation_is_not_probe
         _measured(policy, batch, 2.2e-3, 1.0e-3)
     policy.prior[False] = 2.0                                               # as if measured
     rows = _row(accepted=(2,) * 16)                                         # 3 tokens per 2.2x step: 1.36x
-    assert policy.choose([rows]) == SPEC                                    # over the batch-1 bar (1.1x)
+    assert policy.choose([rows]) == SPEC                                    # over the batch-1 bar (1.05x)
     policy._dwell = 0
-    assert policy.choose([rows] * 16) == ONLY                               # under the batch-16 bar (1.54x)
+    assert policy.choose([rows] * 16) == ONLY                               # under the batch-16 bar (1.47x)
     policy.prior[False], policy.current, policy._dwell = 0.0, ONLY, 0
     hopeless = [_row(accepted=(0,) * 16)] * 16                              # 1 token per 2.2x step: 0.45x
     assert [policy.choose(hopeless) for _ in range(4 * sp.FIRST_PROBE)] == [ONLY] * (4 * sp.FIRST_PROBE)
