@@ -97,7 +97,7 @@ def test_the_other_mode_is_probed_now_and_then() -> None:
     assert policy._probe_after == 2 * sp.FIRST_PROBE                       # the next one twice as late
 
 
-def test_larger_batches_need_a_larger_gain_and_hopeless_speculation_is_not_probed() -> None:
+def test_larger_batches_need_a_larger_gain_to_start_and_hopeless_speculation_is_not_probed() -> None:
     policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
     for batch in (1, 16):
         _measured(policy, batch, 2.2e-3, 1.0e-3)
@@ -106,6 +106,10 @@ def test_larger_batches_need_a_larger_gain_and_hopeless_speculation_is_not_probe
     assert policy.choose([rows]) == SPEC                                    # over the batch-1 bar (1.05x)
     policy._dwell = 0
     assert policy.choose([rows] * 16) == ONLY                               # under the batch-16 bar (1.47x)
+    decoding = _row(accepted=(2,) * 16)
+    decoding.generated = [7]
+    policy.current, policy._dwell = SPEC, 0
+    assert policy.choose([decoding] * 16) == SPEC                          # started: kept while over 1.05x
     policy.prior[False], policy.current, policy._dwell = 0.0, ONLY, 0
     hopeless = [_row(accepted=(0,) * 16)] * 16                              # 1 token per 2.2x step: 0.45x
     assert [policy.choose(hopeless) for _ in range(4 * sp.FIRST_PROBE)] == [ONLY] * (4 * sp.FIRST_PROBE)
