@@ -77,6 +77,8 @@ def test_a_new_batch_bucket_in_target_only_mode_borrows_the_nearest_ratio() -> N
     policy.samples[(ONLY, 8, False)] = sp.MIN_SAMPLES
     policy.step_s[(ONLY, 8, False)] = 0.6e-3
     assert policy.choose([_row(accepted=(1,) * 8)] * 9) == ONLY            # ~2.7 tokens / 3x: no recompute to explore
+    assert policy._nearest_ratio(8, False) == pytest.approx(3.0 * 0.5 ** sp.BORROW_EXPONENT)   # cheaper at 8
+    assert policy._nearest_ratio(64, False) == pytest.approx(3.0 * 4 ** sp.BORROW_EXPONENT)    # dearer at 64
     assert [sp._bucket(b) for b in (1, 2, 3, 4, 15, 16, 17)] == [1, 2, 2, 4, 8, 16, 16]
 
 
