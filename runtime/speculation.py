@@ -32,17 +32,19 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
   speculation needs a decode gain of 1 + STAY_MARGIN at batch 1 (what decode steps alone do not show
   costs it too: its prefill runs the drafter; measured at batch 1 on the five bundled pairs, speculating
   every step gave 0.90-0.96 of the gain the decode-step model expected), resuming it up to ENTER_MARGIN
-  more, in proportion to the tokens to recompute (full at ENTER_GAP per row); a step whose rows are all new (nothing to
-  recompute) is decided afresh even within a target-only dwell. A decision that stays is looked at again
-  every RECHECK steps (the host's share of a batch-1 step is ~10%; the policy's per-step cost is kept
-  to a couple of microseconds). Speculation probes target-only after FIRST_PROBE
-  steps in a mode, then twice as long each time up to PROBE_INTERVAL; target-only probes speculation (which is also
-  what refreshes acceptance, only speculative steps measure it) on that schedule too, but only while its
-  rows have little to recompute (at most ENTER_GAP / 4 tokens each): a probe that recomputes whole
-  sequences costs more than it can find (measured: batch 4, DeepSeek-V3 + MTP, 0.89x against 0.94x for
-  always speculating and 0.99x for never). A probe of speculation lasts MIN_DWELL / 2 steps: a request's
-  first steps accept less than its later ones (DeepSeek-V3 + MTP, greedy: 1.5 drafts in the first four,
-  2.1 after), and probes start with new requests.
+  more, in proportion to the tokens to recompute (full at ENTER_GAP per row). A step whose rows are all
+  new (nothing to recompute) is decided afresh even within a target-only dwell. A decision that stays is
+  looked at again every RECHECK steps (the host's share of a batch-1 step is ~10%; the policy's per-step
+  cost is kept to a few microseconds).
+- probes: speculation probes target-only after FIRST_PROBE steps in a mode, then twice as long each time
+  up to PROBE_INTERVAL; target-only probes speculation (which is also what refreshes acceptance, only
+  speculative steps measure it) on that schedule too, but only while its rows have little to recompute
+  (at most ENTER_GAP / 4 tokens each): a probe that recomputes whole sequences costs more than it can find
+  (measured: batch 4, DeepSeek-V3 + MTP, 0.89x against 0.94x for always speculating and 0.99x for never);
+  and only when its expected gain is at least PROBE_REACH of the bar (at batch 16, T 0.7 it is ~0.2, and
+  four speculative steps cost ~20 target-only ones). A probe of speculation lasts MIN_DWELL / 2 steps: a
+  request's first steps accept less than its later ones (DeepSeek-V3 + MTP, greedy: 1.5 drafts in the
+  first four, 2.1 after), and probes start with new requests.
 
 Batches: rows that speculate finish unevenly (a request's acceptance varies ~3x), so a batch's last rows
 decode on in small, less efficient steps, which no single step's costs show; the bar is therefore
@@ -50,9 +52,8 @@ decode on in small, less efficient steps, which no single step's costs show; the
 have not decoded yet). Measured, speculating every step on the bundled Llama 3 + Eagle3, greedy: the
 decode-step model expected 1.53x / 1.25x / 1.26x at batch 1 / 4 / 16, and the runs gave 1.38x / 1.00x /
 0.88x. Once rows speculate, they keep on while the gain clears 1 + STAY_MARGIN alone: leaving half-way
-was worse than either graph throughout (same pair, batch 4: repeats that switched to target-only
-midway ran at 0.72-0.89x of target-only, those that speculated to the end at 0.91-1.18x). And target-only probes speculation only when its expected gain is at least
-PROBE_REACH of the bar: at batch 16, T 0.7 it is ~0.2, and four speculative steps cost ~20 target-only ones.
+was worse than either graph throughout (same pair, batch 4: repeats that switched to target-only midway
+ran at 0.72-0.89x of target-only, those that speculated to the end at 0.91-1.18x).
 
 Peers: vLLM turns speculation off above a batch size (`speculative_disable_by_batch_size`); TRT-LLM and
 SGLang adapt the draft length to the batch. Here the switch is whole-step, costed, and per artifact.
@@ -77,7 +78,7 @@ TIME_WINDOW = 16           # decode steps a step-time estimate is the lower quar
 STAY_MARGIN = 0.05         # relative gain above 1 that keeps speculating (batch 1)
 ENTER_MARGIN = 0.25        # ... and at most this much more to resume it: a recompute and a step without drafts
 ENTER_GAP = 64             # tokens to recompute per row at which resuming needs all of ENTER_MARGIN
-MIN_DWELL = 16             # steps a decision holds (a probe of speculation: half that, of target-only: a quarter)
+MIN_DWELL = 16             # steps a decision holds (probes: half that for speculation, a quarter otherwise)
 MIN_SAMPLES = 8            # timed decode steps before a step-time estimate counts
 WARMUP_STEPS = 4           # first decode steps of each kind / bucket left untimed
 RECHECK = 4                # steps a kept decision holds before it is looked at again
@@ -106,7 +107,7 @@ class SpeculationPolicy:
         self._recent: dict[tuple[str, int, bool], deque[float]] = {}
         self._runs: Counter[tuple[str, int, bool]] = Counter()     # decode steps run, timed or not
         self.prior = {False: float(k), True: float(k)}             # sampled -> engine-wide mean accepted
-        self._seen: dict[bool, deque[int]] = {False: deque(maxlen=PRIOR_WINDOW), True: deque(maxlen=PRIOR_WINDOW)}
+        self._seen: dict[bool, deque[int]] = {s: deque(maxlen=PRIOR_WINDOW) for s in (False, True)}
         self._seen_sum = {False: 0, True: 0}
         self.counts: Counter[str] = Counter()                      # steps of each kind
         self.current = SPECULATIVE if mode != "never" else TARGET_ONLY
@@ -142,7 +143,8 @@ class SpeculationPolicy:
         bucket, sampled = _bucket(len(rows)), _any_sampled(rows)
         spec_s, only_s = self._time(SPECULATIVE, bucket, sampled), self._time(TARGET_ONLY, bucket, sampled)
         if self.current == SPECULATIVE and (spec_s is None or only_s is None):
-            return (TARGET_ONLY if spec_s is not None else SPECULATIVE), math.inf   # measure, explore target-only
+            kind = TARGET_ONLY if spec_s is not None else SPECULATIVE     # measure, then explore target-only
+            return kind, math.inf
         if self.current == TARGET_ONLY and only_s is None:
             return TARGET_ONLY, math.inf
         ratio = spec_s / only_s if spec_s is not None else self._nearest_ratio(bucket, sampled)
