@@ -16,7 +16,8 @@
 // unispec.cpu::PagedAttentionPoolRows is the same with two more inputs, for a past that is the pool with this
 // step's in-graph rows written over some of its slots (a later draft step's, export/archs/common.scatter_rows):
 //          rows [L, N, W] float32 (pool-row layout), index [N] int64 = b * P + p with P = max_blocks * bs;
-// key p of row b is then rows[layer, n] where index[n] says so, else the pool's row.
+// key p of row b is then rows[layer, n] where index[n] says so, else the pool's row. Rows [1, N, W] are this
+// layer's alone (a past that is one layer's slice of the pool, as Gemma 4's assistant reads).
 
 #include <algorithm>
 #include <cmath>
@@ -501,7 +502,7 @@ OrtStatus* check(const Tensor* t, const Step& st, int64_t tokens, int64_t batch)
 // written over some slots (export/archs/common.scatter_rows), rows [L, N, W] (pool-row layout) going to flat
 // slots index [N] = b * P + p, P = max_blocks * block_size.
 struct Overrides {
-  const float* rows = nullptr;
+  const float* rows = nullptr;   // this layer's rows [N, W]
   const int64_t* index = nullptr;
   int64_t count = 0;
 };
@@ -514,12 +515,13 @@ OrtStatus* read_overrides(OrtKernelContext* context, const Step& st, int64_t bat
         g_api, KernelContext_GetInput)(context, kNumInputs + i, &value));
     RETURN_IF_ERROR(read_tensor(value, &t[i]));
   }
-  if (t[0].dims.size() != 3 || t[1].dims.size() != 1 || t[0].dims[0] != st.layers || t[0].dims[2] != st.width ||
-      t[0].dims[1] != t[1].dims[0])
-    return fail("PagedAttentionPoolRows: rows must be [layers, N, pool row width] and index [N]");
-  o->rows = static_cast<const float*>(t[0].data);
-  o->index = static_cast<const int64_t*>(t[1].data);
+  if (t[0].dims.size() != 3 || t[1].dims.size() != 1 || (t[0].dims[0] != st.layers && t[0].dims[0] != 1) ||
+      t[0].dims[2] != st.width || t[0].dims[1] != t[1].dims[0])
+    return fail("PagedAttentionPoolRows: rows must be [layers or 1, N, pool row width] and index [N]");
   o->count = t[1].dims[0];
+  const int64_t layer = t[0].dims[0] == 1 ? 0 : st.attr.layer;       // [1, N, W]: this layer's rows alone
+  o->rows = static_cast<const float*>(t[0].data) + layer * o->count * st.width;
+  o->index = static_cast<const int64_t*>(t[1].data);
   const int64_t slots = batch * st.max_blocks * st.block_size;
   for (int64_t n = 0; n < o->count; ++n)
     if (o->index[n] < 0 || o->index[n] >= slots)
@@ -578,7 +580,7 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context, bool with_rows) {
     for (int64_t n = 0; n < overrides.count; ++n) {    // in-graph rows over their slots (the last one wins)
       const int64_t row_of = overrides.index[n] / slots_per_row, p = overrides.index[n] % slots_per_row;
       if (row_of == b && p < st.lengths[b])
-        rows[p] = overrides.rows + (st.attr.layer * overrides.count + n) * st.width;
+        rows[p] = overrides.rows + n * st.width;
     }
     const int64_t per_head = (st.offsets[b + 1] - st.offsets[b]) * (st.q_heads / st.kv_heads);
     (per_head >= 4 ? attend_tiled : attend_rows)(st, b, rows);

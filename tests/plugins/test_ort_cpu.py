@@ -137,6 +137,27 @@ def test_in_graph_rows_replace_the_pool_rows_of_their_slots(attrs) -> None:
                                .run(None, plain)[0])                                 # the rows were read
 
 
+def test_rows_of_one_layer_are_that_layers_alone() -> None:
+    """Rows [1, N, W]: the past is one layer's slice of the pool with the rows written in (Gemma 4's assistant),
+    so whichever layer the node reads, the rows are the ones it sees."""
+    new, cached, q_heads, kv_heads, head_dim, v_dim, k_column, v_column, width = GEOMETRIES[3]
+    feeds = case(9, new, [c + 4 for c in cached], q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                 v_dim=v_dim, k_column=k_column, v_column=v_column, width=width)
+    slots = feeds["block_table"].shape[1] * BLOCK
+    index = np.array([0 * slots + cached[0] + 1, 2 * slots + cached[2], 1 * slots + 3], dtype=np.int64)
+    one_layer = np.random.default_rng(9).standard_normal((1, len(index), width), dtype=np.float32)
+    for layer in range(LAYERS):
+        got = session(model(layer=layer, k_column=k_column, v_column=v_column, scale=0.3, with_rows=True)).run(
+            None, {**feeds, "rows": one_layer, "row_index": index})[0]
+        every_layer = np.repeat(one_layer, LAYERS, axis=0)                  # the same rows in every layer
+        want = expected({**feeds, "rows": every_layer, "row_index": index}, layer=layer, k_column=k_column,
+                        v_column=v_column, scale=0.3, causal=True)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match=r"\[layers or 1, N"):
+        session(model(layer=0, k_column=k_column, v_column=v_column, scale=0.3, with_rows=True)).run(
+            None, {**feeds, "rows": np.zeros((2, len(index), width), np.float32), "row_index": index})
+
+
 def test_a_row_index_outside_the_batch_is_an_error() -> None:
     new, cached, q_heads, kv_heads, head_dim, v_dim, k_column, v_column, width = GEOMETRIES[0]
     feeds = case(3, new, cached, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, v_dim=v_dim,
