@@ -13,8 +13,9 @@ A later draft step's past is such a read with this step's in-graph K/V rows scat
 ScatterElements per earlier draft step, export/archs/common.scatter_rows). It becomes
 `unispec.cpu::PagedAttentionPoolRows`, which takes the rows and their slots b·P + p as two more inputs, when
 two probes agree: with the scatters taken out the chain is a plain pool read, and with them every marked
-in-graph row lands at its slot, in pool-row layout. Anything else (a float16 pool, a node inside an If,
-Gemma 4's assistant, which scatters into one layer's slice) keeps its node.
+in-graph row lands at its slot, in pool-row layout: rows of every layer [L, N, W], or, for a past that is
+one layer's slice (Gemma 4's assistant reads the target's last layer of each type so), of that layer alone
+[1, N, W]. Anything else (a float16 pool, a node inside an If) keeps its node.
 
 model.onnx, which TensorRT builds, is never changed.
 """
@@ -275,20 +276,27 @@ def _scatter_lands(model: onnx.ModelProto, nodes: list, producer: dict[str, int]
     by_column, _ = _coordinate_pools(sizes["num_blocks"], layers, block_size, width)
     info = dict(inputs)
     feeds = {**{name: _dummy(inputs[name], sizes) for name in others}, io.BLOCK_TABLE: table, read.pool: by_column}
-    landing = []                                       # (batch row, slot, the row written there)
-    for i, (index, rows) in enumerate(zip(indices, updates)):
+    for index, rows in zip(indices, updates):
         info[index] = helper.make_tensor_value_info(index, TensorProto.INT64, [None])
         info[rows] = helper.make_tensor_value_info(rows, TensorProto.FLOAT, [None, None, None])
-        marks = -1.0 - np.arange(layers * 3 * width, dtype=np.float32).reshape(layers, 3, width) - 1e4 * i
-        # row 0 slot 1 + i and row 1 slot P - 2 - i are this scatter's own; row 1 slot 0 every scatter writes,
-        # so the last one must win there (which says in what order the kernel must take them)
-        feeds[index] = np.array([1 + i, slots + slots - 2 - i, slots], dtype=np.int64)
-        feeds[rows] = marks                                                      # (the pool's are >= 0)
-        landing += [(0, 1 + i, marks[read.layer, 0]), (1, slots - 2 - i, marks[read.layer, 1])]
-    landing.append((1, 0, marks[read.layer, 2]))
-    try:
-        outputs = _run(model, chain_nodes, sources, info, caches, feeds)
-    except Exception:                                   # a chain the probe cannot run is simply not lowered
+    # rows of every layer [L, N, W], or of the read layer alone [1, N, W] (a past that is one layer's slice)
+    for row_layers, own in ((layers, read.layer), (1, 0)):
+        landing = []                                   # (batch row, slot, the row written there)
+        for i, (index, rows) in enumerate(zip(indices, updates)):
+            marks = -1.0 - np.arange(row_layers * 3 * width, dtype=np.float32).reshape(row_layers, 3, width)
+            marks -= 1e4 * i
+            # row 0 slot 1 + i and row 1 slot P - 2 - i are this scatter's own; row 1 slot 0 every scatter
+            # writes, so the last one must win there (which says in what order the kernel must take them)
+            feeds[index] = np.array([1 + i, slots + slots - 2 - i, slots], dtype=np.int64)
+            feeds[rows] = marks                                                  # (the pool's are >= 0)
+            landing += [(0, 1 + i, marks[own, 0]), (1, slots - 2 - i, marks[own, 1])]
+        landing.append((1, 0, marks[own, 2]))
+        try:
+            outputs = _run(model, chain_nodes, sources, info, caches, feeds)
+            break
+        except Exception:                               # a chain the probe cannot run is simply not lowered
+            outputs = None
+    if outputs is None:
         return False
     for cache, column in zip(outputs, (read.k_column, read.v_column)):
         cache = _with_head_axis(cache)

@@ -27,18 +27,22 @@ WIDTH = 2 * HEADS * DIM
 class Attention(torch.nn.Module):
     """Layer 1 of a pool read like gather_pool + chunk(2) (K then V); `scatter` times, rows computed in the
     graph are first written into the gathered past (like later draft steps), at positions inside the cached
-    past (each time one further on, so the second overwrites part of the first)."""
+    past (each time one further on, so the second overwrites part of the first); `one_layer`: layer 1 is
+    sliced off first and the rows written into it alone (as Gemma 4's assistant reads its target)."""
 
-    def __init__(self, scatter: int = 0) -> None:
+    def __init__(self, scatter: int = 0, one_layer: bool = False) -> None:
         super().__init__()
-        self.scatter = scatter
+        self.scatter, self.one_layer = scatter, one_layer
 
     def forward(self, q, k, v, kv_pool, block_table, row_offsets, positions, cache_lengths):
         past = gather_pool(kv_pool, block_table).to(q.dtype)                           # [L, B, P, W]
+        if self.one_layer:
+            past = past[1:2]                                                            # [1, B, P, W]
         for i in range(self.scatter):
-            rows = (torch.cat([k, v], dim=-1).flatten(1) * (i + 2))[:, None, :].expand(-1, LAYERS, -1)
+            rows = (torch.cat([k, v], dim=-1).flatten(1) * (i + 2))[:, None, :].expand(-1, past.shape[0], -1)
             past = scatter_rows(past, rows, torch.zeros_like(positions), positions - 3 + i)
-        k_cache, v_cache = (t.unflatten(-1, (HEADS, DIM)) for t in past[1].chunk(2, dim=-1))
+        layer = past[0 if self.one_layer else 1]
+        k_cache, v_cache = (t.unflatten(-1, (HEADS, DIM)) for t in layer.chunk(2, dim=-1))
         return paged_attention(q, k, v, k_cache, v_cache, row_offsets, positions, cache_lengths, scale=0.5)
 
 
@@ -96,9 +100,10 @@ def test_a_float16_pool_keeps_its_node(tmp_path: Path) -> None:
     assert find_pool_reads(export(Attention(), feeds(torch.float16), tmp_path / "m.onnx")) == {}
 
 
-@pytest.mark.parametrize("times", [1, 2])
-def test_a_scattered_past_is_found_with_its_in_graph_rows(tmp_path: Path, times: int) -> None:
-    (read,) = find_pool_reads(export(Attention(scatter=times), feeds(), tmp_path / "m.onnx")).values()
+@pytest.mark.parametrize("times, one_layer", [(1, False), (2, False), (1, True)])
+def test_a_scattered_past_is_found_with_its_in_graph_rows(tmp_path: Path, times: int, one_layer: bool) -> None:
+    module = Attention(scatter=times, one_layer=one_layer)
+    (read,) = find_pool_reads(export(module, feeds(), tmp_path / "m.onnx")).values()
     assert (read.pool, read.layer, read.k_column, read.v_column) == (io.KV_POOL, 1, 0, HEADS * DIM)
     assert len(read.rows) == len(read.row_index) == times
 
@@ -106,6 +111,7 @@ def test_a_scattered_past_is_found_with_its_in_graph_rows(tmp_path: Path, times:
 @pytest.mark.parametrize("module, make_feeds, op", [(Attention(), feeds, NATIVE_OP),
                                                     (Attention(scatter=1), feeds, NATIVE_ROWS_OP),
                                                     (Attention(scatter=2), feeds, NATIVE_ROWS_OP),
+                                                    (Attention(scatter=1, one_layer=True), feeds, NATIVE_ROWS_OP),
                                                     (Latent(), latent_feeds, NATIVE_OP)])
 def test_the_lowered_graph_computes_what_the_exported_one_does(tmp_path: Path, module, make_feeds, op) -> None:
     inputs = make_feeds()

@@ -34,6 +34,7 @@ every slot < committed is seen exactly once, and the window keeps slot committed
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -63,6 +64,36 @@ class TargetKV(NamedTuple):
     v_last: torch.Tensor       # [B, Hkv, D]
     k_cache: torch.Tensor      # [B, P, Hkv, D]  slots < committed - 1 are read from here
     v_cache: torch.Tensor      # [B, P, Hkv, D]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """One attention type's target K/V as a step graph holds them: `cache`, the gathered layer with this
+    step's rows written in, which attention reads (ONNX Runtime's lowering reads the pool in place instead,
+    export/ort_lowering.py), and what `row_at` needs to read one slot per row without that copy."""
+
+    cache: torch.Tensor        # [B, P, W]
+    pool: torch.Tensor         # [num_blocks, L, block_size, W]
+    slot: int                  # the pool layer
+    block_table: torch.Tensor  # [B, max_blocks]
+    rows: torch.Tensor         # [M, W] this step's rows of that layer
+    row_ids: torch.Tensor      # [M] batch row of each
+    positions: torch.Tensor    # [M]
+
+    def row_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """[B, W]: position slots[b] of row b, as `cache[b, slots[b]]` holds it: this step's row written there,
+        else the pool's (one Gather of B pool rows and a scatter into B + 1 rows)."""
+        _, layers, block_size, width = self.pool.shape
+        batch = slots.shape[0]
+        blocks = self.block_table.gather(1, (slots // block_size)[:, None])[:, 0]                 # [B]
+        flat = (blocks * layers + self.slot) * block_size + slots % block_size                     # [B]
+        from_pool = self.pool.reshape(-1, width).index_select(0, flat)                             # [B, W]
+        written = self.positions == slots.index_select(0, self.row_ids)                            # [M]
+        # a row written elsewhere lands on a spare row B, dropped after (each row has one written at slots[b])
+        spare = torch.zeros_like(self.row_ids) + batch
+        index = torch.where(written, self.row_ids, spare)[:, None].expand(-1, width)               # [M, W]
+        padded = torch.cat([from_pool, from_pool[:1]])                                             # [B+1, W]
+        return padded.scatter(0, index, self.rows.to(padded.dtype))[:batch]
 
 
 class QOnlyAttention(nn.Module):
@@ -154,21 +185,22 @@ class Gemma4Assistant(Drafter):
 
     def open_cache(self, pools: Mapping[str, torch.Tensor], target_deltas: Mapping[str, torch.Tensor],
                    block_table: torch.Tensor, row_ids: torch.Tensor,
-                   positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(sliding, full) [B, P, W_t]: the target's last layer of each type, this step's K/V written in."""
+                   positions: torch.Tensor) -> tuple[PagedKV, ...]:
+        """(sliding, full): the target's last layer of each type, this step's K/V written in ([B, P, W_t])."""
         cache = []
         for layer_type in LAYER_TYPES:
             name, slot = POOL_NAMES[layer_type], self.kv_slots[layer_type]
             past = gather_pool(pools[name], block_table)[slot:slot + 1]                 # [1, B, P, W_t]
             rows = target_deltas[name][:, slot:slot + 1]                                # [M, 1, W_t]
-            cache.append(scatter_rows(past, rows, row_ids, positions)[0])
+            cache.append(PagedKV(scatter_rows(past, rows, row_ids, positions)[0], pools[name], slot, block_table,
+                                 rows[:, 0], row_ids, positions))
         return tuple(cache)
 
-    def extend_cache(self, cache: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...], row_ids: torch.Tensor,
-                     positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def extend_cache(self, cache: tuple[PagedKV, ...], rows: tuple[torch.Tensor, ...], row_ids: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[PagedKV, ...]:
         return cache                                           # Q-only layers write nothing
 
-    def forward(self, batch: DraftBatch, cache: tuple[torch.Tensor, ...]
+    def forward(self, batch: DraftBatch, cache: tuple[PagedKV | torch.Tensor, ...]
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         anchor = anchor_tokens(batch)                                                   # [B]
         embedded = self.target_embed(batch.tokens.index_select(0, anchor))              # [B, H]
@@ -215,11 +247,16 @@ def _by_type(cfg: Gemma4AssistantConfig) -> dict[str, Gemma4AttentionConfig]:
     return {SLIDING: cfg.sliding, FULL: cfg.full}
 
 
-def _split(cache: torch.Tensor, committed: torch.Tensor, att: Gemma4AttentionConfig) -> TargetKV:
-    """[B, P, W] (K then V per slot) -> TargetKV; the row's last committed slot is taken with one plain Gather."""
-    batch, slots, width = cache.shape
-    last = torch.arange(batch, device=cache.device) * slots + committed - 1            # [B]
-    last_kv = cache.reshape(batch * slots, width).index_select(0, last)                 # [B, W]
+def _split(kv: PagedKV | torch.Tensor, committed: torch.Tensor, att: Gemma4AttentionConfig) -> TargetKV:
+    """A step graph's PagedKV, or training's plain past [B, P, W] (K then V per slot) -> TargetKV. The row's
+    last committed slot is read apart from the [B, P, W] copy (PagedKV.row_at), so a graph whose attention
+    reads the pool in place makes no such copy; from a plain past, with one plain Gather."""
+    if isinstance(kv, PagedKV):
+        cache, last_kv = kv.cache, kv.row_at(committed - 1)                             # [B, P, W], [B, W]
+    else:
+        cache, (batch, slots, width) = kv, kv.shape
+        last = torch.arange(batch, device=cache.device) * slots + committed - 1        # [B]
+        last_kv = cache.reshape(batch * slots, width).index_select(0, last)             # [B, W]
     k_last, v_last = last_kv.unflatten(-1, (2, att.num_kv_heads, att.head_dim)).unbind(1)  # [B, Hkv, D] each
     k_cache, v_cache = cache.unflatten(-1, (2, att.num_kv_heads, att.head_dim)).unbind(2)  # [B, P, Hkv, D] each
     return TargetKV(k_last, v_last, k_cache, v_cache)

@@ -236,7 +236,11 @@ def test_open_cache_equals_the_committed_pools(spec3) -> None:
         name, slot = POOL_NAMES[layer_type], drafter.kv_slots[layer_type]
         want = gather_pool(pools.pools[name], table)[slot]                               # [B, P, W]
         for b, n in enumerate(c + m for c, m in zip(lengths, new)):
-            assert torch.equal(got[b, :n], want[b, :n]), (layer_type, b)
+            assert torch.equal(got.cache[b, :n], want[b, :n]), (layer_type, b)
+        # one slot per row without the copy: every committed slot, cached (from the pool) or new (a row)
+        for slots in ([4, 0, 8], [5, 2, 9], [7, 3, 10], [0, 1, 2]):
+            slots = torch.tensor(slots)
+            assert torch.equal(got.row_at(slots), want[torch.arange(3), slots]), (layer_type, slots)
     assert drafter.extend_cache(cache, (), row_ids, positions) is cache
 
 
