@@ -78,7 +78,9 @@ def generate(artifact: Path) -> dict[str, list[list[int]]]:
     from runtime.llm import LLM
     from runtime.sampling_params import SamplingParams
 
-    llm = LLM(artifact, num_threads=1)
+    # every step speculative: under "auto" a seeded request's sampled tokens depend on which graph the policy
+    # chose for each step (both are exact samples), so a policy change would read as a difference
+    llm = LLM(artifact, num_threads=1, speculation="always")
     prompts = prompts_for(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     sampled = [SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.02, seed=100 + i,
