@@ -71,7 +71,8 @@ def run_demo(models: Path, cache: Path, console: Console, *, max_tokens: int = 6
     spec, spec_s = _timed(LLM(spec_dir, speculation="always"), prompts, params)
     base, base_s = _timed(LLM(base_dir), prompts, params)
     lossless = all(s.token_ids == b.token_ids for s, b in zip(spec, base))
-    console.rule(f"bundled Llama 3 + DFlash (K = {k}), ONNX Runtime CPU, batch 1, greedy, every step speculative")
+    console.rule(f"bundled Llama 3 + DFlash (K = {k}), ONNX Runtime CPU, batch 1, greedy, "
+                 "every step speculative")
     for i, (prompt, s, b) in enumerate(zip(prompts, spec, base), 1):
         same = "equals" if s.token_ids == b.token_ids else "DIFFERS FROM"
         console.print(f"[bold]prompt {i}[/bold]: accepted length {s.metrics.mean_accepted_length:.2f}, "

@@ -81,8 +81,8 @@ class PagedKV:
     positions: torch.Tensor    # [M]
 
     def row_at(self, slots: torch.Tensor) -> torch.Tensor:
-        """[B, W]: position slots[b] of row b, as `cache[b, slots[b]]` holds it: this step's row written there,
-        else the pool's (one Gather of B pool rows and a scatter into B + 1 rows)."""
+        """[B, W]: position slots[b] of row b, as `cache[b, slots[b]]` holds it: this step's row written
+        there, else the pool's (one Gather of B pool rows and a scatter into B + 1 rows)."""
         _, layers, block_size, width = self.pool.shape
         batch = slots.shape[0]
         blocks = self.block_table.gather(1, (slots // block_size)[:, None])[:, 0]                 # [B]
@@ -192,8 +192,8 @@ class Gemma4Assistant(Drafter):
             name, slot = POOL_NAMES[layer_type], self.kv_slots[layer_type]
             past = gather_pool(pools[name], block_table)[slot:slot + 1]                 # [1, B, P, W_t]
             rows = target_deltas[name][:, slot:slot + 1]                                # [M, 1, W_t]
-            cache.append(PagedKV(scatter_rows(past, rows, row_ids, positions)[0], pools[name], slot, block_table,
-                                 rows[:, 0], row_ids, positions))
+            written = scatter_rows(past, rows, row_ids, positions)[0]                  # [B, P, W_t]
+            cache.append(PagedKV(written, pools[name], slot, block_table, rows[:, 0], row_ids, positions))
         return tuple(cache)
 
     def extend_cache(self, cache: tuple[PagedKV, ...], rows: tuple[torch.Tensor, ...], row_ids: torch.Tensor,
