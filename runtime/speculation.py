@@ -103,9 +103,8 @@ class SpeculationPolicy:
         self.mode, self.k = mode, k
         self.adaptive = mode == "auto" and k > 0 and has_target_only
         self.step_s: dict[tuple[str, int, bool], float] = {}       # (kind, batch bucket, sampled) -> seconds
-        self.samples: Counter[tuple[str, int, bool]] = Counter()
+        self.samples: Counter[tuple[str, int, bool]] = Counter()   # decode steps run, timed or not
         self._recent: dict[tuple[str, int, bool], deque[float]] = {}
-        self._runs: Counter[tuple[str, int, bool]] = Counter()     # decode steps run, timed or not
         self.prior = {False: float(k), True: float(k)}             # sampled -> engine-wide mean accepted
         self._seen: dict[bool, deque[int]] = {s: deque(maxlen=PRIOR_WINDOW) for s in (False, True)}
         self._seen_sum = {False: 0, True: 0}
@@ -159,10 +158,10 @@ class SpeculationPolicy:
         return (SPECULATIVE if gain > bar else TARGET_ONLY), gain / bar
 
     def _time(self, kind: str, bucket: int, sampled: bool) -> float | None:
-        """The step-time estimate of a key once MIN_SAMPLES steps made it (computed when asked: most steps
-        only record)."""
+        """The step-time estimate of a key once MIN_SAMPLES timed steps made it (computed when asked: most
+        steps only record)."""
         key = (kind, bucket, sampled)
-        if self.samples[key] < MIN_SAMPLES:
+        if self.samples[key] < WARMUP_STEPS + MIN_SAMPLES:
             return None
         if key not in self.step_s:
             self.step_s[key] = lower_quartile(self._recent[key])
@@ -170,7 +169,7 @@ class SpeculationPolicy:
 
     def _nearest_ratio(self, bucket: int, sampled: bool) -> float | None:
         """t_spec / t_target of the measured bucket nearest to `bucket` (log scale), None if none is."""
-        both = [b for (kind, b, s) in list(self.samples) if kind == SPECULATIVE and s == sampled
+        both = [b for (kind, b, s) in self.samples if kind == SPECULATIVE and s == sampled
                 and self._time(SPECULATIVE, b, s) is not None and self._time(TARGET_ONLY, b, s) is not None]
         if not both:
             return None
@@ -192,18 +191,18 @@ class SpeculationPolicy:
             return
         if all_decode:
             key = (kind, _bucket(len(rows)), _any_sampled(rows))
-            self._runs[key] += 1
-            if self._runs[key] > WARMUP_STEPS:       # ORT's first runs of a shape are slow: not timed
+            self.samples[key] += 1
+            if self.samples[key] > WARMUP_STEPS:     # ORT's first runs of a shape are slow: not timed
                 recent = self._recent.get(key)
                 if recent is None:
                     recent = self._recent[key] = deque(maxlen=TIME_WINDOW)
                 recent.append(seconds)
-                self.samples[key] += 1
                 self.step_s.pop(key, None)
-        for sampled in (False, True) if verified else ():
-            new = [accepted for row, accepted in verified if _greedy(row) != sampled]
-            if new:
-                self._remember(sampled, new)
+        if verified:
+            for sampled in (False, True):
+                new = [accepted for row, accepted in verified if _greedy(row) != sampled]
+                if new:
+                    self._remember(sampled, new)
 
     def _remember(self, sampled: bool, accepted: list[int]) -> None:
         """The engine-wide mean over the last PRIOR_WINDOW verified row-steps of a kind (K standing in for

@@ -35,7 +35,7 @@ def _row(temperature: float = 0.0, accepted: tuple[int, ...] = ()) -> SequenceSt
 def _measured(policy: sp.SpeculationPolicy, batch: int, spec_s: float, only_s: float, sampled: bool = False) -> None:
     for kind, seconds in ((SPEC, spec_s), (ONLY, only_s)):
         policy.step_s[(kind, sp._bucket(batch), sampled)] = seconds
-        policy.samples[(kind, sp._bucket(batch), sampled)] = sp.MIN_SAMPLES
+        policy.samples[(kind, sp._bucket(batch), sampled)] = sp.WARMUP_STEPS + sp.MIN_SAMPLES
 
 
 def test_forced_modes_and_artifacts_without_a_target_only_graph() -> None:
@@ -74,7 +74,7 @@ def test_a_new_batch_bucket_in_target_only_mode_borrows_the_nearest_ratio() -> N
     policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
     _measured(policy, 16, 3.0e-3, 1.0e-3)                                  # batch 16: speculation costs 3x
     policy.current = ONLY
-    policy.samples[(ONLY, 8, False)] = sp.MIN_SAMPLES
+    policy.samples[(ONLY, 8, False)] = sp.WARMUP_STEPS + sp.MIN_SAMPLES
     policy.step_s[(ONLY, 8, False)] = 0.6e-3
     assert policy.choose([_row(accepted=(1,) * 8)] * 9) == ONLY            # ~2.7 tokens / 3x: no recompute to explore
     assert policy._nearest_ratio(8, False) == pytest.approx(3.0 * 0.5 ** sp.BORROW_EXPONENT)   # cheaper at 8
