@@ -142,17 +142,20 @@ def op_counts(graph: onnx.GraphProto) -> dict[str, int]:
 def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
     """`name` beside `source` (model.onnx): its custom-op functions inlined and the graph optimized
     (onnxscript), for ONNX Runtime. ORT would inline the functions itself but cannot fold their shape
-    arithmetic once they are inlined; this removes ~10% of the nodes a step runs. Attention that reads a
-    float32 pool first becomes unispec's in-place CPU kernel (export/ort_lowering.py), and RoPE and a few
-    reshaping round trips are fused (export/ort_fusions.py). The weights stay in
-    the external files (referenced, not copied)."""
+    arithmetic once they are inlined; this removes ~10% of the nodes a step runs. SpecAccept's body is its
+    lazy reference (plugins/spec_accept/reference.py: no unpacking of an all-allowed bitmask, no relaxed
+    verdict when no row is thinking). Attention that reads a float32 pool first becomes unispec's in-place
+    CPU kernel (export/ort_lowering.py), and RoPE and a few reshaping round trips are fused
+    (export/ort_fusions.py). The weights stay in the external files (referenced, not copied)."""
     import onnx
     import onnx_ir as ir
     import onnxscript.optimizer
 
+    import plugins
     from export import ort_fusions, ort_lowering
 
     model = ir.load(out / source)
+    plugins.attach_ort_functions(model)
     ort_lowering.lower(model, ort_lowering.find_pool_reads(onnx.load(str(out / source), load_external_data=False)))
     ort_fusions.fuse(model)
     # onnx_ir's initializer deduplication warns once for every If branch that returns a constant (the step's

@@ -27,9 +27,11 @@ SPEC_MODULES = (
 )
 
 
-def specs() -> dict[str, PluginSpec]:
-    """op_type -> spec of every plugin."""
-    found = [importlib.import_module(name).SPEC for name in SPEC_MODULES]
+def specs(*, ort: bool = False) -> dict[str, PluginSpec]:
+    """op_type -> spec of every plugin; `ort`: a plugin's `ORT_SPEC` where it has one (a reference meant
+    for ONNX Runtime graphs only, the same math with Ifs TensorRT cannot build)."""
+    modules = [importlib.import_module(name) for name in SPEC_MODULES]
+    found = [getattr(module, "ORT_SPEC", module.SPEC) if ort else module.SPEC for module in modules]
     return {spec.op_type: spec for spec in found}
 
 
@@ -51,6 +53,17 @@ def attach_functions_ir(model: ir.Model) -> ir.Model:
     from plugins.onnx_common import attach_functions_ir as attach
 
     return attach(model, specs())
+
+
+def attach_ort_functions(model: ir.Model) -> ir.Model:
+    """Replace the reference functions of the unispec nodes that have an ONNX Runtime variant (in place):
+    for model.ort.onnx, which only ONNX Runtime runs."""
+    from plugins.onnx_common import attach_functions_ir as attach
+
+    plain, ort = specs(), specs(ort=True)
+    for key in [key for key in model.functions if key[0] == "unispec" and ort.get(key[1]) is not plain.get(key[1])]:
+        del model.functions[key]
+    return attach(model, ort)            # the others' functions are there already: kept
 
 
 def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from plugins.spec_accept.bitmask import apply_bitmask
+from plugins.spec_accept.bitmask import apply_bitmask, bit_powers
 from plugins.spec_accept.truncation import (
     PROB_DTYPE,
     Ranking,
@@ -81,10 +81,16 @@ def verify(
     *,
     relaxed_top_n: int = RELAXED_TOP_N,
     relaxed_delta: float = RELAXED_DELTA,
+    lazy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept a prefix of each row's drafts: (num_accepted [B] int64, next_tokens [B] int64)."""
+    """Accept a prefix of each row's drafts: (num_accepted [B] int64, next_tokens [B] int64).
+
+    `lazy` puts the work that most steps do not need behind Ifs: unpacking a bitmask that allows every
+    token, and the relaxed verdict when no sampled row is thinking. Same results; ONNX Runtime graphs
+    only (TensorRT-RTX cannot build these Ifs, see below).
+    """
     if token_bitmask is not None:
-        logits = apply_bitmask(logits, token_bitmask)                              # [B, K+1, V]
+        logits = _masked(logits, token_bitmask) if lazy else apply_bitmask(logits, token_bitmask)  # [B, K+1, V]
     num_positions = logits.shape[1]
     num_drafts = draft_tokens.shape[1]
     params = [_per_position(p, num_positions) for p in (temperature, top_k, top_p, min_p)]
@@ -117,8 +123,18 @@ def verify(
         # Outside every If, so it runs each step (a float64 softmax over [B, K, V]): TensorRT-RTX 1.7 cannot
         # build it inside one, alone or in the sampled verdict's (Myelin: "data-dependent shapes are only
         # allowed in the top-level scope"). Only sampled rows in their thinking phase use it.
-        relaxed = relaxed_verdict(logits[:, :num_drafts], drafts, top_n=relaxed_top_n, delta=relaxed_delta)
-        accepted = accepted | (in_thinking_phase[:, None] & ~greedy & relaxed)
+        thinking = in_thinking_phase[:, None] & ~greedy                              # [B, 1]
+
+        def relaxed_rows(logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+            return relaxed_verdict(logits, drafts, top_n=relaxed_top_n, delta=relaxed_delta)
+
+        def no_rows(logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(drafts, dtype=torch.bool)
+
+        relaxed_operands = (logits[:, :num_drafts], drafts)
+        relaxed = (torch.cond(thinking.any(), relaxed_rows, no_rows, relaxed_operands) if lazy
+                   else relaxed_rows(*relaxed_operands))                            # [B, K]
+        accepted = accepted | (thinking & relaxed)
 
     argmax = logits.argmax(dim=-1)                                                 # [B, K+1]
     # Boolean select by logic ops: ONNX Runtime has no CPU kernel for Where over bool.
@@ -130,6 +146,20 @@ def verify(
     num_accepted = count_accepted(accepted)                                        # [B]
     next_tokens = candidates.gather(1, num_accepted[:, None])[:, 0]                # [B]
     return num_accepted, next_tokens
+
+
+def _masked(logits: torch.Tensor, token_bitmask: torch.Tensor) -> torch.Tensor:
+    """apply_bitmask, unpacked only when some word forbids a token (an If): a step without a grammar passes
+    an all-allowed mask, whose unpacking costs a [B, K+1, V] Mod, compare and Where for nothing."""
+    def unpack(logits: torch.Tensor, token_bitmask: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
+        return apply_bitmask(logits, token_bitmask, powers)
+
+    def allowed(logits: torch.Tensor, token_bitmask: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
+        return logits.clone()
+
+    # the constant is made out here: a tensor created inside a branch does not trace
+    operands = (logits, token_bitmask, bit_powers(logits.device))
+    return torch.cond((token_bitmask != -1).any(), unpack, allowed, operands)
 
 
 def _plain_decoding(logits: torch.Tensor, temperature: torch.Tensor, params: list[torch.Tensor],

@@ -19,7 +19,7 @@ import torch
 
 BITS_PER_WORD = 32
 
-__all__ = ["BITS_PER_WORD", "apply_bitmask", "num_bitmask_words", "pack_bitmask", "unpack_bitmask"]
+__all__ = ["BITS_PER_WORD", "apply_bitmask", "bit_powers", "num_bitmask_words", "pack_bitmask", "unpack_bitmask"]
 
 
 def num_bitmask_words(vocab_size: int) -> int:
@@ -33,9 +33,15 @@ def _bit_values(device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
+def bit_powers(device: torch.device) -> torch.Tensor:
+    """[32] int64: 2**j, the value of bit j of a word read as unsigned."""
+    return torch.tensor([1 << j for j in range(BITS_PER_WORD)], dtype=torch.int64, device=device)
+
+
 def unpack_bitmask(
     bitmask: torch.Tensor,  # [..., W] int32, W >= ceil(V/32)
     vocab_size: int | torch.SymInt,
+    powers: torch.Tensor | None = None,   # bit_powers(); given by a caller tracing inside an If branch
 ) -> torch.Tensor:
     """Allowed tokens as booleans: [..., V].
 
@@ -44,8 +50,7 @@ def unpack_bitmask(
     division does), which cannot hold 32-bit words exactly.
     """
     unsigned = bitmask.to(torch.int64).remainder(1 << BITS_PER_WORD)                  # [..., W] in [0, 2**32)
-    powers = torch.tensor([1 << j for j in range(BITS_PER_WORD)], dtype=torch.int64,
-                          device=bitmask.device)                                         # [32] 2**j
+    powers = bit_powers(bitmask.device) if powers is None else powers                 # [32] 2**j
     low_bits = unsigned[..., None].remainder(powers * 2)                               # [..., W, 32]
     allowed = (low_bits >= powers).flatten(-2)                                         # [..., W*32]
     return allowed[..., :vocab_size]                                                   # [..., V]
@@ -54,13 +59,14 @@ def unpack_bitmask(
 def apply_bitmask(
     logits: torch.Tensor,   # [..., V]
     bitmask: torch.Tensor,  # [..., W] int32
+    powers: torch.Tensor | None = None,   # bit_powers(), as unpack_bitmask
 ) -> torch.Tensor:
     """Forbidden tokens' logits set to -inf: [..., V].
 
     A position whose mask allows nothing is left unmasked: that is a grammar bug on the host, and
     masking every token would turn the whole step into NaNs instead of one unconstrained token.
     """
-    allowed = unpack_bitmask(bitmask, logits.shape[-1])                      # [..., V]
+    allowed = unpack_bitmask(bitmask, logits.shape[-1], powers)              # [..., V]
     satisfiable = allowed.any(dim=-1, keepdim=True)                          # [..., 1]
     allowed = allowed | ~satisfiable
     return torch.where(allowed, logits, torch.full_like(logits, float("-inf")))

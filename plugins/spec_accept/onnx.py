@@ -6,6 +6,7 @@ always pass both (reference.py says why).
 """
 
 # No `from __future__ import annotations`: onnxscript reads the translation's annotations as objects.
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -67,3 +68,6 @@ SPEC = PluginSpec(
     doc="Speculative verdict per row: truncation, greedy / sample-and-match / rejection (with draft_probs) / "
         "relaxed acceptance, grammar bitmask.",
 )
+
+# model.ort.onnx's function body for the same node: the lazy reference (reference.py says why)
+ORT_SPEC = dataclasses.replace(SPEC, reference=reference.spec_accept_lazy)

@@ -19,6 +19,9 @@ Facts the op's users rely on:
   verdict is sample-and-match, which is lossless for any drafts.
 - The host advances a request's noise stream only on steps that produce its tokens (runtime/noise.py),
   so a seeded request gives the same tokens whatever else shares its batches.
+- model.ort.onnx gets `spec_accept_lazy`'s function instead (export/onnx_files.write_ort_graph): the same
+  math with an all-allowed mask's unpacking and the relaxed verdict behind Ifs that skip them when no row
+  needs them; TensorRT-RTX cannot build those Ifs, so model.onnx keeps the flat one.
 """
 
 from __future__ import annotations
@@ -46,3 +49,24 @@ def spec_accept(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [B] int64, next_tokens [B] int64
     return verify(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase, token_bitmask,
                   draft_probs, relaxed_top_n=relaxed_top_n, relaxed_delta=relaxed_delta)
+
+
+def spec_accept_lazy(
+    logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    noise: torch.Tensor,
+    in_thinking_phase: torch.Tensor,
+    token_bitmask: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    num_drafts: int,
+    relaxed_top_n: int,
+    relaxed_delta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`spec_accept` with unneeded work skipped by Ifs (acceptance.verify's `lazy`): ONNX Runtime's body."""
+    return verify(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase, token_bitmask,
+                  draft_probs, relaxed_top_n=relaxed_top_n, relaxed_delta=relaxed_delta, lazy=True)

@@ -327,6 +327,11 @@ def test_the_ort_graph_is_inlined_smaller_and_shares_the_weights_file(artifacts:
     assert locations == {io.WEIGHTS_NAME}
     # no weight copied into it: every tensor it holds inline, subgraphs included, is a small constant
     assert _largest_inline_tensor(ort_graph.graph) < EXTERNAL_MIN_BYTES
+    # SpecAccept's lazy body: the bitmask's unpacking (Mod) and the relaxed verdict's float64 softmax run
+    # only inside Ifs, which model.onnx's flat body (TensorRT cannot build those Ifs) runs every step
+    flat = [f for f in full.functions if f.name == "SpecAccept"]
+    assert flat and all({"Mod", "Softmax"} <= {n.op_type for n in f.node} for f in flat)
+    assert not {"Mod", "Softmax"} & {n.op_type for n in ort_graph.graph.node}
 
 
 def _largest_inline_tensor(graph: onnx.GraphProto) -> int:

@@ -4,7 +4,8 @@ TensorRT cannot build (Bitwise ops, an If nested in an If branch: engines/onnx_c
 
 Each graph is exported once per module (a few seconds each); the cases then vary every dynamic dim.
 Cases include ties (integer logits), temperature-0 rows, every filter on and off, drafts of -1,
-drafts equal to the argmax (so prefixes get accepted), random bitmasks and thinking rows.
+drafts equal to the argmax (so prefixes get accepted), random and all-allowed bitmasks, thinking rows and
+none. The verdict graphs are also exported lazy (model.ort.onnx's body: Ifs skip what no row needs).
 """
 
 from __future__ import annotations
@@ -33,19 +34,31 @@ Dim = torch.export.Dim
 
 
 class _SampleAndMatch(torch.nn.Module):
+    lazy = False         # the lazy subclasses: model.ort.onnx's body (an all-allowed mask, no thinking row)
+
     def forward(self, logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase,
                 token_bitmask):
         return verify(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase,
-                      token_bitmask)
+                      token_bitmask, lazy=self.lazy)
+
+
+class _LazySampleAndMatch(_SampleAndMatch):
+    lazy = True
 
 
 class _RejectionAndDraft(torch.nn.Module):
+    lazy = False
+
     def forward(self, logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking_phase,
                 token_bitmask, draft_probs, draft_logits):
         num_accepted, next_tokens = verify(logits, draft_tokens, temperature, top_k, top_p, min_p, noise,
-                                           in_thinking_phase, token_bitmask, draft_probs)
+                                           in_thinking_phase, token_bitmask, draft_probs, lazy=self.lazy)
         tokens, q = sample_draft(draft_logits, temperature, noise[:, 0, NOISE_DRAFT])
         return num_accepted, next_tokens, tokens, q
+
+
+class _LazyRejectionAndDraft(_RejectionAndDraft):
+    lazy = True
 
 
 class _Ragged(torch.nn.Module):
@@ -69,6 +82,12 @@ def _verify_case(rnd: random.Random, gen: torch.Generator, rows: int, k: int, vo
                          torch.randint(0, vocab, (rows, k), generator=gen))
     drafts[torch.rand(rows, generator=gen) < 0.2] = -1
     allowed = torch.rand(rows, k + 1, vocab, generator=gen) < rnd.choice([1.0, 0.7, 0.1])
+    bitmask = pack_bitmask(allowed)
+    if rnd.random() < 0.25:     # what a step without a grammar passes (spec_glue.allow_all)
+        bitmask = torch.full_like(bitmask, -1)
+    thinking = torch.rand(rows, generator=gen) < 0.5
+    if rnd.random() < 0.25:
+        thinking[:] = False
     pick = lambda off, on: torch.where(torch.rand(rows, generator=gen) < 0.4, off, on)  # noqa: E731
     return {
         "logits": logits,
@@ -78,8 +97,8 @@ def _verify_case(rnd: random.Random, gen: torch.Generator, rows: int, k: int, vo
         "top_p": pick(torch.ones(rows), torch.rand(rows, generator=gen)),
         "min_p": pick(torch.zeros(rows), torch.rand(rows, generator=gen) * 0.5),
         "noise": torch.rand(rows, k + 1, NOISE_CHANNELS, generator=gen),
-        "in_thinking_phase": torch.rand(rows, generator=gen) < 0.5,
-        "token_bitmask": pack_bitmask(allowed),
+        "in_thinking_phase": thinking,
+        "token_bitmask": bitmask,
     }
 
 
@@ -120,14 +139,20 @@ def _dynamic_shapes(case: dict) -> dict:
 
 
 def _export(module: torch.nn.Module, case: dict, path) -> ort.InferenceSession:
+    shapes = _dynamic_shapes(case)
+    if getattr(module, "lazy", False):
+        # as plugins/onnx_common.export_reference exports the op's bodies: Dim.DYNAMIC, for torch guards
+        # a slice inside an If branch on V != 2, which a named Dim's full range would refuse
+        shapes = {name: dict.fromkeys(axes, Dim.DYNAMIC) for name, axes in shapes.items()}
     torch.onnx.export(module, tuple(case.values()), str(path), dynamo=True, opset_version=24,
-                      input_names=list(case), dynamic_shapes=_dynamic_shapes(case), verbose=False)
+                      input_names=list(case), dynamic_shapes=shapes, verbose=False)
     model = onnx.load(str(path))
     assert model.ir_version == 10
     assert {o.domain: o.version for o in model.opset_import}[""] == 24
     ops = {node.op_type for node in model.graph.node}
     assert not {"RandomUniform", "RandomUniformLike", "Multinomial"} & ops   # randomness is an input
-    assert find_problems(model) == []          # no Bitwise op, no If nested in an If branch (TensorRT)
+    if not getattr(module, "lazy", False):      # the lazy body is for ONNX Runtime only
+        assert find_problems(model) == []      # no Bitwise op, no If nested in an If branch (TensorRT)
     assert all(d.dim_param for d in model.graph.input[0].type.tensor_type.shape.dim)  # nothing frozen
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
@@ -136,6 +161,8 @@ GRAPHS = {
     "sample-and-match": (_SampleAndMatch, _verify_case),
     "rejection-and-draft": (_RejectionAndDraft, _rejection_case),
     "ragged": (_Ragged, _ragged_case),
+    "sample-and-match, lazy": (_LazySampleAndMatch, _verify_case),
+    "rejection-and-draft, lazy": (_LazyRejectionAndDraft, _rejection_case),
 }
 
 
