@@ -120,9 +120,10 @@ def verify(
     accepted, candidates = _when_sampled((~greedy).any(), needs_ranking(top_k, top_p, logits.shape[-1]),
                                          sampled_rows, greedy_rows_only, operands)
     if in_thinking_phase is not None:
-        # Outside every If, so it runs each step (a float64 softmax over [B, K, V]): TensorRT-RTX 1.7 cannot
-        # build it inside one, alone or in the sampled verdict's (Myelin: "data-dependent shapes are only
-        # allowed in the top-level scope"). Only sampled rows in their thinking phase use it.
+        # The flat body (model.onnx) runs it each step outside every If (a float64 softmax over [B, K, V]):
+        # TensorRT-RTX 1.7 cannot build it inside one, alone or in the sampled verdict's (Myelin:
+        # "data-dependent shapes are only allowed in the top-level scope"). Only sampled rows in their
+        # thinking phase use it, so the lazy body (model.ort.onnx) runs it in an If on that.
         thinking = in_thinking_phase[:, None] & ~greedy                              # [B, 1]
 
         def relaxed_rows(logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
