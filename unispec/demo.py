@@ -2,9 +2,8 @@
 
 models/llama3 + models/llama3-dflash -> `dflash` and `none` artifacts (cached under the cache dir, rebuilt
 when the models change) -> ONNX Runtime CPU generation of a few held-out prompts, batch 1, greedy, every
-step speculative ->
-generated text, mean accepted length, tokens/s of both, the speed-up, and the check that speculative output
-equals target-only output token for token.
+step speculative -> generated text, mean accepted length, tokens/s of both, the speed-up, and the check that
+speculative output equals target-only output token for token.
 """
 
 from __future__ import annotations

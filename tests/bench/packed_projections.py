@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnx  # noqa: F401  (helper needs it loaded)
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
