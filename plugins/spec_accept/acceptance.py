@@ -110,7 +110,7 @@ def verify(
     def greedy_rows_only(logits: torch.Tensor, drafts: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # every row is greedy: both outputs are replaced below, so no argmax here
         return (torch.zeros_like(drafts, dtype=torch.bool), torch.zeros_like(logits[..., 0], dtype=torch.int64),
-                torch.ones((), dtype=torch.bool))
+                torch.ones((), dtype=torch.bool, device=logits.device))
 
     # The sampled verdict (softmax, truncation, inverse CDF in float64) runs only when some row samples:
     # an all-greedy step skips it (ONNX Ifs, see _when_sampled).
@@ -175,7 +175,8 @@ def _plain_decoding(logits: torch.Tensor, temperature: torch.Tensor, params: lis
         return sample_inverse_cdf(probs, noise[..., NOISE_TARGET])[:, 0], complete                  # [B], []
 
     def all_greedy(logits: torch.Tensor, noise: torch.Tensor, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return torch.zeros_like(logits[:, 0, 0], dtype=torch.int64), torch.ones((), dtype=torch.bool)
+        return (torch.zeros_like(logits[:, 0, 0], dtype=torch.int64),
+                torch.ones((), dtype=torch.bool, device=logits.device))
 
     top_k, top_p = params[1], params[2]
     (sampled,) = _when_sampled((~greedy).any(), needs_ranking(top_k, top_p, logits.shape[-1]), some_sampled,

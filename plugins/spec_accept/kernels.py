@@ -129,15 +129,18 @@ def _nucleus_floor(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, kth
 @triton.jit
 def _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, floor, HAS_BITMASK: tl.constexpr,
           BLOCK_V: tl.constexpr):
-    """sum{p >= floor} (floor 0 also reports the smallest p, for top-k off: k-th = min p)."""
+    """(sum{p >= floor}, smallest p, largest p): top-k off takes the smallest as its k-th; the largest is
+    p_max as _probs computes it (see _truncation)."""
     total = tl.zeros((), tl.float64)
     smallest = tl.full((), 2.0, tl.float64)
+    largest = tl.zeros((), tl.float64)
     for v0 in range(0, vocab_size, BLOCK_V):
         p = _probs(row_ptr, mask_ptr, v0 + tl.arange(0, BLOCK_V), vocab_size, use_mask, inv_t, s_max, z,
                    HAS_BITMASK)
         total += tl.sum(tl.where(p >= floor, p, 0.0), axis=0)
         smallest = tl.minimum(smallest, tl.min(tl.where(p >= 0.0, p, 2.0), axis=0))
-    return total, smallest
+        largest = tl.maximum(largest, tl.max(p, axis=0))
+    return total, smallest, largest
 
 
 @triton.jit
@@ -177,18 +180,22 @@ def _truncation(row_ptr, mask_ptr, vocab_size, use_mask, temperature, top_k, top
         scaled = _logits(row_ptr, mask_ptr, v0 + tl.arange(0, BLOCK_V), vocab_size, use_mask,
                          HAS_BITMASK).to(tl.float64) * inv_t
         z += tl.sum(tl.exp(scaled - s_max), axis=0)
-    p_max = 1.0 / z                                        # the argmax's own exp(0) / z: the largest p exactly
-    total, kth = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, 0.0, HAS_BITMASK, BLOCK_V)
+    # p_max is the largest p as _probs computes it, like the reference's amax, not 1 / z: on a GPU the
+    # compiler may fuse `logit * inv_t - s_max` into one FMA, so the argmax's p can miss 1 / z by an ulp, and
+    # a threshold of 1 / z (top-p 0 keeps only p_max) would then keep nothing.
+    total, kth, p_max = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, 0.0, HAS_BITMASK,
+                              BLOCK_V)
     if (top_k > 0) & (top_k < vocab_size):
         kth = _kth_largest(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, top_k, p_max,
                            HAS_BITMASK, BLOCK_V)
-        total, _ = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, kth, HAS_BITMASK, BLOCK_V)
+        total, _, _ = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, kth, HAS_BITMASK, BLOCK_V)
     floor = tl.zeros((), tl.float64)
     if top_p < 1.0:
         floor = _nucleus_floor(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, kth,
                                top_p.to(tl.float64) * total, p_max, HAS_BITMASK, BLOCK_V)
     threshold = tl.minimum(tl.maximum(tl.maximum(kth, floor), min_p.to(tl.float64) * p_max), p_max)
-    kept, _ = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, HAS_BITMASK, BLOCK_V)
+    kept, _, _ = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, HAS_BITMASK,
+                       BLOCK_V)
     return inv_t, s_max, z, threshold, kept
 
 
@@ -273,6 +280,23 @@ def _draft_logit(row_ptr, mask_ptr, draft, use_mask, HAS_BITMASK: tl.constexpr):
 
 
 @triton.jit
+def _draft_verdict(row_ptr, mask_ptr, vocab_size, use_mask, best, i, draft, clamped, candidate, rejection_done,
+                   rejection_accepted, greedy, thinking, K: tl.constexpr, TOP_N: tl.constexpr,
+                   DELTA: tl.constexpr, HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Whether draft i (< K) is accepted: rejection's verdict or a match, else relaxed in a thinking phase;
+    never a -1 slot or a grammar-forbidden draft. Position K (the bonus) accepts nothing."""
+    accepted = tl.zeros((), tl.int1)
+    if i < K:
+        draft_logit = _draft_logit(row_ptr, mask_ptr, clamped, use_mask, HAS_BITMASK)
+        accepted = tl.where(rejection_done, rejection_accepted, clamped == candidate)
+        if (greedy == 0) & thinking:
+            accepted = accepted | _relaxed(row_ptr, mask_ptr, vocab_size, use_mask, best, draft_logit, TOP_N,
+                                           DELTA, HAS_BITMASK, BLOCK_V)
+        accepted = accepted & (draft >= 0) & (draft_logit > float("-inf"))
+    return accepted
+
+
+@triton.jit
 def _verdict(logits_ptr, draft_tokens_ptr, top_k_ptr, top_p_ptr, min_p_ptr, noise_ptr, bitmask_ptr, probs_ptr,
              b, i, temperature, greedy, thinking, vocab_size, num_channels, num_words, K: tl.constexpr,
              HAS_BITMASK: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr, TOP_N: tl.constexpr, DELTA: tl.constexpr,
@@ -287,8 +311,11 @@ def _verdict(logits_ptr, draft_tokens_ptr, top_k_ptr, top_p_ptr, min_p_ptr, nois
     best, argmax = _max_argmax(row_ptr, mask_ptr, vocab_size, use_mask, HAS_BITMASK, BLOCK_V)
     candidate = argmax
     draft = tl.full((), -1, tl.int64)
-    if i < K:
-        draft = tl.load(draft_tokens_ptr + b * K + i)
+    # `if K > 0` (constexpr) leaves K = 0's dead draft code out of the kernel: Triton 3.6 failed to compile
+    # it for sm_80/sm_90 (TritonGPUCoalesce), 3.9 did not; the plugin's pin (3.5) is the older line.
+    if K > 0:
+        if i < K:
+            draft = tl.load(draft_tokens_ptr + b * K + i)
     clamped = tl.maximum(draft, 0)
     rejection_done = tl.zeros((), tl.int1)
     rejection_accepted = tl.zeros((), tl.int1)
@@ -297,23 +324,23 @@ def _verdict(logits_ptr, draft_tokens_ptr, top_k_ptr, top_p_ptr, min_p_ptr, nois
             row_ptr, mask_ptr, vocab_size, use_mask, temperature, tl.load(top_k_ptr + b), tl.load(top_p_ptr + b),
             tl.load(min_p_ptr + b), best, HAS_BITMASK, BLOCK_V)
         noise = noise_ptr + position * num_channels
-        if HAS_DRAFT_PROBS & (draft >= 0):
+        rejects = tl.zeros((), tl.int1)
+        if HAS_DRAFT_PROBS:
+            rejects = draft >= 0
+        if rejects:
             rejection_accepted, candidate = _rejection(
                 row_ptr, mask_ptr, probs_ptr + (b * K + i) * vocab_size, vocab_size, use_mask, inv_t, s_max, z,
                 threshold, kept, clamped, tl.load(noise + NOISE_TARGET), tl.load(noise + NOISE_RESIDUAL),
                 HAS_BITMASK, BLOCK_V)
-            rejection_done = rejection_done | (draft >= 0)
+            rejection_done = rejects
         else:
             candidate = _sample(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, kept,
                                 tl.load(noise + NOISE_TARGET), HAS_BITMASK, BLOCK_V)
     accepted = tl.zeros((), tl.int1)
-    if i < K:
-        draft_logit = _draft_logit(row_ptr, mask_ptr, clamped, use_mask, HAS_BITMASK)
-        accepted = tl.where(rejection_done, rejection_accepted, clamped == candidate)
-        if (greedy == 0) & thinking:
-            accepted = accepted | _relaxed(row_ptr, mask_ptr, vocab_size, use_mask, best, draft_logit, TOP_N,
-                                           DELTA, HAS_BITMASK, BLOCK_V)
-        accepted = accepted & (draft >= 0) & (draft_logit > float("-inf"))
+    if K > 0:
+        accepted = _draft_verdict(row_ptr, mask_ptr, vocab_size, use_mask, best, i, draft, clamped, candidate,
+                                  rejection_done, rejection_accepted, greedy, thinking, K, TOP_N, DELTA,
+                                  HAS_BITMASK, BLOCK_V)
     return accepted, candidate
 
 
