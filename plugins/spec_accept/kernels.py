@@ -14,16 +14,22 @@ rejected draft (later positions cannot change the result):
                   inverse-CDF sample of max(0, p~ - q) (p~ when that is all zero) with noise[b, i, 1]
     -1 drafts and grammar-forbidden drafts are never accepted; next token = candidate where it stopped.
 
-Everything runs in Triton; nothing is sorted. A QDP AOT plugin launches exactly one kernel, so the sort the
-reference uses for top-k / top-p is replaced by exact threshold searches over the float64 bit patterns
-of p (non-negative doubles order like their bits): each round splits the remaining bit interval into 16,
-counts (top-k) or sums (top-p) the probabilities above each of the 16 pivots in one pass over the vocab,
-and keeps the sub-interval where the predicate flips; <= 16 rounds cover 64 bits.
+Everything runs in Triton, in one kernel (a QDP AOT plugin launches exactly one). Top-k / top-p rank like
+the reference's "candidates" ranking (truncation.py): one pass keeps the C = min(256, BLOCK_V) largest
+probabilities (a tile is sorted only when it holds a value above the running C-th), and the k-th largest
+and the nucleus floor are read off them when k <= C and the nucleus ends inside them. Otherwise exact
+threshold searches over the float64 bit patterns of p (non-negative doubles order like their bits) find
+them: each round splits the remaining bit interval into 16, counts (top-k) or sums (top-p) the
+probabilities above each of the 16 pivots in one pass over the vocab, and keeps the sub-interval where the
+predicate flips; <= 16 rounds cover 64 bits.
     k-th largest  = the largest x with #{p >= x} >= k
     top-p floor   = the smallest x with sum{p > x, p >= k-th} < top_p * sum{p >= k-th}
 These are the values the reference reads off its sorted array, so the kept sets are the same; sums are
 taken in another order than the reference's cumsum, so they agree to float64 rounding (the reference's
-own argument for float64 across backends, truncation.py).
+own argument for float64 across backends, truncation.py). Measured on an H100 (batch 16, K 3, 128k
+vocabulary, docs/gpu): searching every threshold took 242 ms per call at top-k 50 and 279 ms at top-p 0.95;
+with the candidates, 16.6 ms and 16.1 ms (an LLM-like peaked nucleus; a flat one of thousands of tokens
+still searches, ~290 ms), against 7 ms for the torch reference on the same GPU.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from plugins.spec_accept import acceptance, truncation
 GREEDY_TEMPERATURE = tl.constexpr(truncation.GREEDY_TEMPERATURE)
 NOISE_TARGET = tl.constexpr(acceptance.NOISE_TARGET)   # sample-and-match's sample, rejection's coin
 NOISE_RESIDUAL = tl.constexpr(acceptance.NOISE_RESIDUAL)   # rejection's recovered token
+NUCLEUS_CANDIDATES = tl.constexpr(truncation.NUCLEUS_CANDIDATES)   # the ranking read off one sorted pass
 
 
 @triton.jit
@@ -170,9 +177,27 @@ def _cdf_block(carry, count, last, w, v, vocab_size, target):
 
 
 @triton.jit
+def _top_probs(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, HAS_BITMASK: tl.constexpr,
+               BLOCK_V: tl.constexpr, C: tl.constexpr):
+    """The C largest probabilities, descending ([C] float64; -1 past the vocabulary), in one pass: a tile
+    that holds a value above the running C-th is sorted, and its first C merge into the running set."""
+    ranked = tl.full([C], -1.0, tl.float64)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        p = _probs(row_ptr, mask_ptr, v0 + tl.arange(0, BLOCK_V), vocab_size, use_mask, inv_t, s_max, z,
+                   HAS_BITMASK)
+        if tl.max(p, axis=0) > tl.min(ranked, axis=0):
+            # sorted descending and folded to [BLOCK_V / C, C], a column's max is its first row: the top C
+            tile = tl.max(tl.reshape(tl.sort(p, descending=True), [BLOCK_V // C, C]), axis=0)
+            both = tl.reshape(tl.join(ranked, tile), [2 * C])
+            ranked = tl.max(tl.reshape(tl.sort(both, descending=True), [2, C]), axis=0)
+    return ranked
+
+
+@triton.jit
 def _truncation(row_ptr, mask_ptr, vocab_size, use_mask, temperature, top_k, top_p, min_p, best,
                 HAS_BITMASK: tl.constexpr, BLOCK_V: tl.constexpr):
     """(1/T, max scaled logit, softmax normalizer, keep threshold, kept mass) of truncation.py, float64."""
+    CANDIDATES: tl.constexpr = NUCLEUS_CANDIDATES if BLOCK_V >= NUCLEUS_CANDIDATES else BLOCK_V
     inv_t = 1.0 / temperature.to(tl.float64)
     s_max = best.to(tl.float64) * inv_t
     z = tl.zeros((), tl.float64)
@@ -185,14 +210,30 @@ def _truncation(row_ptr, mask_ptr, vocab_size, use_mask, temperature, top_k, top
     # a threshold of 1 / z (top-p 0 keeps only p_max) would then keep nothing.
     total, kth, p_max = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, 0.0, HAS_BITMASK,
                               BLOCK_V)
-    if (top_k > 0) & (top_k < vocab_size):
-        kth = _kth_largest(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, top_k, p_max,
-                           HAS_BITMASK, BLOCK_V)
-        total, _, _ = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, kth, HAS_BITMASK, BLOCK_V)
     floor = tl.zeros((), tl.float64)
-    if top_p < 1.0:
-        floor = _nucleus_floor(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, kth,
-                               top_p.to(tl.float64) * total, p_max, HAS_BITMASK, BLOCK_V)
+    ranks = (top_k > 0) & (top_k < vocab_size)
+    if ranks | (top_p < 1.0):
+        ranked = _top_probs(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, HAS_BITMASK, BLOCK_V,
+                            CANDIDATES)                                                   # [C] descending
+        rank = tl.arange(0, CANDIDATES)
+        if ranks:
+            if top_k <= CANDIDATES:
+                kth = tl.sum(tl.where(rank == top_k - 1, ranked, 0.0), axis=0)
+            else:
+                kth = _kth_largest(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, top_k, p_max,
+                                   HAS_BITMASK, BLOCK_V)
+            total, _, _ = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, kth, HAS_BITMASK,
+                                BLOCK_V)
+        if top_p < 1.0:
+            budget = top_p.to(tl.float64) * total
+            in_top_k = tl.where(ranked >= kth, ranked, 0.0)
+            cumulative = tl.cumsum(in_top_k, axis=0)
+            if tl.max(cumulative, axis=0) >= budget:      # the nucleus ends inside the candidates
+                num_nucleus = tl.maximum(tl.sum((cumulative - in_top_k < budget).to(tl.int32), axis=0), 1)
+                floor = tl.sum(tl.where(rank == num_nucleus - 1, ranked, 0.0), axis=0)
+            else:
+                floor = _nucleus_floor(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, kth, budget,
+                                       p_max, HAS_BITMASK, BLOCK_V)
     threshold = tl.minimum(tl.maximum(tl.maximum(kth, floor), min_p.to(tl.float64) * p_max), p_max)
     kept, _, _ = _mass(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, threshold, HAS_BITMASK,
                        BLOCK_V)

@@ -144,7 +144,8 @@ def _ranked_floor(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, *,
     return torch.maximum(kth, nucleus_floor), complete
 
 
-def sample_inverse_cdf(    weights: torch.Tensor,  # [..., V] >= 0, not necessarily normalized, some entry > 0
+def sample_inverse_cdf(
+    weights: torch.Tensor,  # [..., V] >= 0, not necessarily normalized, some entry > 0
     uniform: torch.Tensor,  # [...] in [0, 1)
 ) -> torch.Tensor:
     """Token whose CDF interval holds `uniform * total`: [...] int64.

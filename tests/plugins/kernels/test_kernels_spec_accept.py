@@ -1,7 +1,8 @@
 """SpecAccept's Triton kernel gives exactly the reference's tokens (acceptance.verify) for the
 same noise, row by row, in the interpreter on CPU: K = 0, 1, 2, 3, 4, 7; greedy and sampled rows with top-k /
-top-p / min-p on and off; argmax drafts (sample-and-match) and sampled drafts with their q (rejection); thinking rows (relaxed acceptance); -1 drafts; grammar bitmasks (one allowing
-nothing); tied logits; float16 logits; a vocabulary spanning several tiles."""
+top-p / min-p on and off; argmax drafts (sample-and-match) and sampled drafts with their q (rejection);
+thinking rows (relaxed acceptance); -1 drafts; grammar bitmasks (one allowing nothing); tied logits; float16
+logits; a vocabulary spanning several tiles; top-k and nuclei past the kernel's sorted candidates."""
 
 from __future__ import annotations
 
