@@ -78,7 +78,7 @@ def nucleus_floor(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, kth,
 def mass_above(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, floor, HAS_BITMASK: tl.constexpr,
                BLOCK_V: tl.constexpr):
     """(sum{p >= floor}, smallest p, largest p): top-k off takes the smallest as its k-th; the largest is
-    p_max as _probs computes it (see _truncation)."""
+    p_max as tempered_probs computes it (see truncation_threshold)."""
     total = tl.zeros((), tl.float64)
     smallest = tl.full((), 2.0, tl.float64)
     largest = tl.zeros((), tl.float64)
@@ -120,7 +120,7 @@ def truncation_threshold(row_ptr, mask_ptr, vocab_size, use_mask, temperature, t
         scaled = masked_logits(row_ptr, mask_ptr, v0 + tl.arange(0, BLOCK_V), vocab_size, use_mask,
                                HAS_BITMASK).to(tl.float64) * inv_t
         z += tl.sum(tl.exp(scaled - s_max), axis=0)
-    # p_max is the largest p as _probs computes it, like the reference's amax, not 1 / z: on a GPU the
+    # p_max is the largest p as tempered_probs computes it, like the reference's amax, not 1 / z: on a GPU the
     # compiler may fuse `logit * inv_t - s_max` into one FMA, so the argmax's p can miss 1 / z by an ulp, and
     # a threshold of 1 / z (top-p 0 keeps only p_max) would then keep nothing.
     total, kth, p_max = mass_above(row_ptr, mask_ptr, vocab_size, use_mask, inv_t, s_max, z, 0.0, HAS_BITMASK,

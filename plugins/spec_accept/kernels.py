@@ -15,14 +15,13 @@ rejected draft (later positions cannot change the result):
     -1 drafts and grammar-forbidden drafts are never accepted; next token = candidate where it stopped.
 
 Everything runs in Triton, in one kernel (a QDP AOT plugin launches exactly one); the threshold code lives in
-kernel_threshold.py. Top-k / top-p rank like
-the reference's "candidates" ranking (truncation.py): one pass keeps the C = min(256, BLOCK_V) largest
-probabilities (a tile is sorted only when it holds a value above the running C-th), and the k-th largest
-and the nucleus floor are read off them when k <= C and the nucleus ends inside them. Otherwise exact
-threshold searches over the float64 bit patterns of p (non-negative doubles order like their bits) find
-them: each round splits the remaining bit interval into 16, counts (top-k) or sums (top-p) the
-probabilities above each of the 16 pivots in one pass over the vocab, and keeps the sub-interval where the
-predicate flips; <= 16 rounds cover 64 bits.
+kernel_threshold.py. Top-k / top-p rank like the reference's "candidates" ranking (truncation.py): one pass
+keeps the C = min(256, BLOCK_V) largest probabilities (a tile is sorted only when it holds a value above the
+running C-th), and the k-th largest and the nucleus floor are read off them when k <= C and the nucleus ends
+inside them. Otherwise exact threshold searches over the float64 bit patterns of p (non-negative doubles order
+like their bits) find them: each round splits the remaining bit interval into 16, counts (top-k) or sums
+(top-p) the probabilities above each of the 16 pivots in one pass over the vocab, and keeps the sub-interval
+where the predicate flips; <= 16 rounds cover 64 bits.
     k-th largest  = the largest x with #{p >= x} >= k
     top-p floor   = the smallest x with sum{p > x, p >= k-th} < top_p * sum{p >= k-th}
 These are the values the reference reads off its sorted array, so the kept sets are the same; sums are
