@@ -44,7 +44,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (_bench(lambda: dst.copy_(src)) * 1e-3)
 
 
-def _paged(batch: int, ctx: int, width: int, dtype: torch.dtype, layers: int = 1):
+def _paged(batch: int, ctx: int, width: int, dtype: torch.dtype):
     """A pool of one layer whose blocks are shuffled across rows, and its block table."""
     per_row = -(-(ctx + 8) // BLOCK_SIZE)
     blocks = torch.randperm(batch * per_row + 1, device="cuda")[: batch * per_row]
