@@ -9,8 +9,13 @@ LABELS = {
     "held_out_loss": "held-out loss (next-token cross entropy on held-out stdlib text, nats/token)",
     "held_out_mtp_loss": "held-out MTP loss after the joint phase (token t+2, held-out text)",
     "train_loss_last_50": "training loss, mean of the last 50 steps (DeepSeek-V3: main + 0.3 x MTP)",
-    "held_out_draft_loss": "held-out draft loss (cross entropy against the target's greedy tokens on held-out "
-                           "continuations, draft positions weighted 0.8^s)",
+    "held_out_draft_loss": "held-out draft loss (the recipe's `distill` loss: cross entropy against the target's "
+                           "argmax, or KL from the target's distribution, on held-out continuations, draft positions "
+                           "weighted 0.8^s)",
+    "held_out_top1_by_position": "held-out top-1 agreement with the target, per draft position (greedy acceptance "
+                                 "given the earlier drafts were right)",
+    "held_out_acceptance_t07_by_position": "held-out expected acceptance per draft position at T 0.7, top-p 0.95 "
+                                           "(sum min(p, q), rejection sampling of a sampled draft)",
     "mtp_held_out_draft_loss": "MTP as a K = 3 drafter, held-out draft loss (as for the drafts)",
     "mtp_train_loss_last_50": "MTP as a K = 3 drafter, training loss of the last 50 steps",
 }

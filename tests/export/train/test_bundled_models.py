@@ -39,3 +39,16 @@ def test_prompts_are_held_out_text_the_tokenizer_round_trips() -> None:
     tokenizer = Tokenizer.from_file(str(MODELS / "llama3" / "tokenizer.json"))
     assert len(prompts) >= 32
     assert all(tokenizer.decode(tokenizer.encode(p).ids) == p for p in prompts)
+
+
+@pytest.mark.parametrize("spec", pipeline.DRAFTS, ids=lambda spec: spec.name)
+def test_each_draft_is_distilled_and_reports_acceptance_per_position(spec) -> None:
+    """The committed drafts were trained with the pipeline's current distillation (KL on greedy and sampled
+    continuations), and their stamps carry held-out top-1 agreement and T 0.7 acceptance per draft position."""
+    info = json.loads((MODELS / spec.name / pipeline.STAMP).read_text())
+    assert info["recipe"]["distill"] == pipeline.distill().recipe()
+    assert info["recipe"]["sampled_data"] == pipeline.SAMPLED_DATA
+    assert info["recipe"]["schedule"] == spec.schedule.recipe()
+    for key in ("held_out_top1_by_position", "held_out_acceptance_t07_by_position"):
+        values = info["figures"][key]
+        assert len(values) == spec.k and all(0 < v <= 1 for v in values), (key, values)

@@ -62,3 +62,51 @@ def test_mtp_finetune_rewrites_the_targets_mtp_layer_in_place(tmp_path) -> None:
     changed = {key for key in before if not torch.equal(before[key], after[key])}
     assert changed and all(key.startswith("model.layers.3.") for key in changed)
     assert "model.layers.3.eh_proj.weight" in changed
+
+
+@pytest.mark.parametrize("name", ["llama3-dflash", "llama3-eagle3", "gemma4-assistant"])
+def test_kl_distillation_feeds_the_sequence_and_lowers_the_divergence(name, tmp_path, monkeypatch) -> None:
+    """Under "kl" a later draft step is fed the sequence's own next token (a sampled continuation's, not the
+    target's argmax) and scored against the target's whole distribution; training lowers that KL, and the
+    figures are probabilities per draft position."""
+    spec = SPECS[name]
+    target_dir = write_tiny(family=spec.target, method="none", out_dir=tmp_path / "t", seed=0)["target"]
+    monkeypatch.setattr(draft_configs, "MASK_ID", 2)
+    config, tensors = getattr(draft_configs, spec.make)(json.loads((target_dir / "config.json").read_text()), 0)
+    step = drafts.build_step(spec.method, target_dir, drafts.MemoryCheckpoint(config, tensors, tmp_path / "d"), spec.k)
+    tokens = torch.randint(3, 300, (6, 24), generator=torch.Generator().manual_seed(0))
+    data = drafts.target_features(step.target, tokens, distill=drafts.Distill(loss="kl", temperature=0.7))
+    rows, positions = torch.tensor([0, 5]), torch.tensor([3, 10])
+    assert torch.equal(data.fed(rows, positions), tokens[rows, positions + 1])
+    assert not torch.equal(data.fed(rows, positions), data.labels[rows, positions])   # random tokens: not argmax
+    draft_logits = torch.randn(2, data.logits.shape[-1])
+    kl = drafts.kl_divergence(draft_logits, data.logits[rows, positions].float(), 0.7)
+    assert torch.equal(data.losses(draft_logits, rows, positions), kl)
+
+    before = drafts.accuracy(step, spec.method, data, seed=1)
+    schedule = Schedule(steps=12, batch_size=6, seq_len=24, lr=3e-3, warmup=2, anchors=24)
+    after = drafts.train_draft(spec.method, step, data, data, schedule, seed=0, log=lambda line: None, name=name)
+    assert 0 < after["held_out_draft_loss"] < before["held_out_draft_loss"]
+    for key in ("held_out_top1_by_position", "held_out_acceptance_t07_by_position"):
+        assert len(after[key]) == spec.k and all(0 <= v <= 1 for v in after[key])
+    assert sum(after["held_out_acceptance_t07_by_position"]) > sum(before["held_out_acceptance_t07_by_position"])
+
+
+def test_kl_loss_is_zero_only_where_the_draft_matches_the_target() -> None:
+    target = torch.randn(4, 50)
+    assert torch.allclose(drafts.kl_divergence(target, target, 0.7), torch.zeros(4), atol=1e-6)
+    assert (drafts.kl_divergence(target + torch.randn(4, 50), target, 0.7) > 1e-3).all()
+    assert torch.allclose(drafts.kl_divergence(target + 3.0, target, 0.7), torch.zeros(4), atol=1e-5)  # shift-free
+
+
+def test_ce_scores_the_argmax_label_and_kl_the_whole_distribution() -> None:
+    logits = torch.randn(2, 3, 20)
+    data = drafts.TargetData(tokens=torch.zeros(2, 3, dtype=torch.int64), labels=logits.argmax(-1),
+                             hidden=torch.zeros(2, 3, 1), captured=torch.zeros(2, 3, 1, 1), deltas={},
+                             logits=logits.half())
+    draft_logits, rows, positions = torch.randn(2, 20), torch.tensor([0, 1]), torch.tensor([2, 1])
+    ce = torch.nn.functional.cross_entropy(draft_logits, logits[rows, positions].argmax(-1), reduction="none")
+    assert torch.equal(data.losses(draft_logits, rows, positions), ce)
+    data.distill = drafts.Distill(loss="kl", temperature=0.7)
+    kl = drafts.kl_divergence(draft_logits, logits.half()[rows, positions].float(), 0.7)
+    assert torch.equal(data.losses(draft_logits, rows, positions), kl)
