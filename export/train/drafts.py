@@ -271,19 +271,21 @@ def draft_parameters(step: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in step.drafter.parameters() if id(p) not in frozen]
 
 
-FIGURE_SAMPLING = {"temperature": 0.7, "top_p": 0.95}   # the acceptance figure's sampling (the bench's)
+# How the bench and most users sample: the bundled drafts' sampled training data (pipeline.SAMPLED_DATA) and the
+# acceptance figure below.
+SAMPLING = {"temperature": 0.7, "top_p": 0.95}
 
 
 def accuracy(step: torch.nn.Module, method: str, data: TargetData, *, seed: int) -> dict[str, Any]:
     """Held-out figures over fixed anchors (the same seed every time): the training loss; per draft position,
     how often the draft's argmax is the target's (greedy acceptance, given the earlier drafts were right);
-    and the expected rejection-sampling acceptance sum_x min(p(x), q(x)) at FIGURE_SAMPLING, p the target's
+    and the expected rejection-sampling acceptance sum_x min(p(x), q(x)) at SAMPLING, p the target's
     truncated distribution and q the draft's untruncated one at that temperature, as the step graph draws."""
     from plugins.spec_accept.truncation import truncated_probs
 
     gen = torch.Generator().manual_seed(seed)
     rows = torch.arange(data.tokens.shape[0])
-    t, top_p = FIGURE_SAMPLING["temperature"], FIGURE_SAMPLING["top_p"]
+    t, top_p = SAMPLING["temperature"], SAMPLING["top_p"]
     with torch.no_grad():
         predictions = predictions_for(method)(step, data, rows, num_anchors=512, gen=gen)
         loss = draft_loss(predictions, data)

@@ -20,6 +20,7 @@ import torch
 from export.train import cards
 from export.train.common import Schedule
 from export.train.corpus import held_out_prompts, stdlib_corpus, write_prompts
+from export.train.drafts import SAMPLING
 from export.train.tokenizer import EOS, MASK, PAD, save_tokenizer, train_tokenizer
 
 SEED = 20261122
@@ -32,7 +33,7 @@ NUM_SEQUENCES, NUM_HELD_SEQUENCES, PROMPT_LEN, SEQUENCE_LEN = 1024, 64, 32, 128
 MTP_K = 3
 # Drafts also learn from prompts continued by sampling, the way the bench and most users decode (T 0.7, top-p
 # 0.95), so sampled decoding's contexts are in their data (issue 14).
-SAMPLED_DATA = {"temperature": 0.7, "top_p": 0.95}
+SAMPLED_DATA = SAMPLING
 
 TARGET_SCHEDULES = {
     "llama3": Schedule(steps=1000, batch_size=24, seq_len=128, lr=3e-3),
