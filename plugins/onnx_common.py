@@ -266,9 +266,31 @@ def graph_to_function(model: onnx.ModelProto, op_type: str, overload: str) -> on
         raise ValueError(f"{op_type} reference export left functions {[f.name for f in model.functions]}")
     constants = [onnx.helper.make_node("Constant", [], [t.name], name=f"{t.name}_constant", value=t)
                  for t in graph.initializer]
+    ports = {v.name for v in (*graph.input, *graph.output)}
+    nodes = [*constants, *graph.node]
+    _prefix_names(nodes, lambda name: name if not name or name in ports else f"{op_type}__{name}")
     function = onnx.helper.make_function(
         DOMAIN, op_type, inputs=[v.name for v in graph.input], outputs=[v.name for v in graph.output],
-        nodes=[*constants, *graph.node], opset_imports=list(model.opset_import), attributes=[],
+        nodes=nodes, opset_imports=list(model.opset_import), attributes=[],
         doc_string=f"Reference decomposition of {DOMAIN}::{op_type} (torch reference, exported).")
     function.overload = overload
     return function
+
+
+def _prefix_names(nodes: Iterable[onnx.NodeProto], rename: Callable[[str], str]) -> None:
+    """Rename every value of `nodes`, their subgraphs included, in place.
+
+    Why: the exporter names values alike in every reference (val_12, node_cond__2, ...). ONNX Runtime
+    renames a function's values when it inlines the function, but an If branch's reference to a value of
+    the function around it could then resolve to another inlined function's value of the same name
+    (measured: SampleDraft's and SpecAccept's bodies in one graph failed type inference, 1 != 11). Values
+    named after their op never meet.
+    """
+    for node in nodes:
+        node.input[:] = [rename(name) for name in node.input]
+        node.output[:] = [rename(name) for name in node.output]
+        for attribute in node.attribute:
+            for graph in (attribute.g, *attribute.graphs) if attribute.HasField("g") else attribute.graphs:
+                for value in (*graph.input, *graph.output, *graph.value_info, *graph.initializer):
+                    value.name = rename(value.name)
+                _prefix_names(graph.node, rename)
