@@ -144,7 +144,8 @@ def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
     (onnxscript), for ONNX Runtime. ORT would inline the functions itself but cannot fold their shape
     arithmetic once they are inlined; this removes ~10% of the nodes a step runs. SpecAccept's body is its
     lazy reference (plugins/spec_accept/reference.py: no unpacking of an all-allowed bitmask, no relaxed
-    verdict when no row is thinking). Attention that reads a float32 pool first becomes unispec's in-place
+    verdict when no row is thinking), or, for float32 logits, it and SampleDraft run native kernels
+    (export/ort_sampling.py). Attention that reads a float32 pool first becomes unispec's in-place
     CPU kernel (export/ort_lowering.py), and RoPE and a few reshaping round trips are fused
     (export/ort_fusions.py). The weights stay in the external files (referenced, not copied)."""
     import onnx
@@ -152,9 +153,10 @@ def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
     import onnxscript.optimizer
 
     import plugins
-    from export import ort_fusions, ort_lowering
+    from export import ort_fusions, ort_lowering, ort_sampling
 
     model = ir.load(out / source)
+    ort_sampling.lower(model)
     plugins.attach_ort_functions(model)
     ort_lowering.lower(model, ort_lowering.find_pool_reads(onnx.load(str(out / source), load_external_data=False)))
     ort_fusions.fuse(model)

@@ -24,6 +24,7 @@ SPEC_MODULES = (
     "plugins.paged_mla.onnx",
     "plugins.moe.onnx",
     "plugins.spec_accept.onnx",
+    "plugins.spec_accept.draft_onnx",
 )
 
 

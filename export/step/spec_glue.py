@@ -13,8 +13,7 @@ from torch import nn
 
 from plugins.spec_accept import acceptance, ragged
 from plugins.spec_accept.bitmask import num_bitmask_words
-from plugins.spec_accept.op import spec_accept
-from plugins.spec_accept.truncation import is_greedy
+from plugins.spec_accept.op import sample_draft, spec_accept
 from runtime import manifest as io
 
 NOISE_CHANNELS = acceptance.NOISE_CHANNELS    # uniforms per verified position in the `noise` input
@@ -61,29 +60,18 @@ def propose(drafter: nn.Module, head_in: torch.Tensor, f: Mapping[str, torch.Ten
     """Drafts of P positions per row and the distributions they were drawn from.
 
     head_in [B, P, Hd] -> (tokens [B, P] int64, q [B, P, V] float32). Greedy rows keep the drafter's
-    argmax; sampled rows draw from the request's truncation of the drafter's distribution with
-    noise[:, first + j, NOISE_DRAFT] at position j (acceptance.sample_draft), so the next step verifies
-    them by rejection sampling. q is the drafter's distribution at the request's temperature, untruncated
-    (acceptance.sample_draft says why). An all-greedy step skips the sampling (an ONNX If, never nested).
+    argmax; sampled rows draw from the drafter's distribution, tempered and truncated with the request's
+    parameters, with noise[:, first + j, NOISE_DRAFT] at position j (acceptance.sample_draft says why), so
+    the next step verifies them by rejection sampling. One SampleDraft node (acceptance.choose_drafts): its
+    function skips the sampling in an all-greedy step (ONNX Ifs, never nested); ONNX Runtime runs a native
+    kernel.
     """
     batch, num_positions = head_in.shape[:2]
     logits = drafter.logits(head_in.flatten(0, 1)).unflatten(0, (batch, num_positions))   # [B, P, Vd]
     argmax = drafter.target_ids(logits.argmax(dim=-1))                                      # [B, P]
-    logits = drafter.target_vocab_logits(logits, vocab_size)                                # [B, P, V]
-    greedy = is_greedy(f[io.TEMPERATURE])[:, None]                                          # [B, 1]
-    temperature = f[io.TEMPERATURE][:, None].expand(-1, num_positions)                      # [B, P]
+    logits = drafter.target_vocab_logits(logits, vocab_size).float()                        # [B, P, V]
     uniform = f[io.NOISE][:, first:first + num_positions, acceptance.NOISE_DRAFT]           # [B, P]
-
-    def some_sampled(logits: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor,
-                     uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, q = acceptance.sample_draft(logits, temperature, uniform)
-        return torch.where(greedy, argmax, tokens), q
-
-    def all_greedy(logits: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor,
-                   uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return argmax.clone(), torch.zeros_like(logits)                                     # zeros: deterministic
-
-    return torch.cond((~greedy).any(), some_sampled, all_greedy, (logits, argmax, temperature, uniform))
+    return sample_draft(logits, argmax, f[io.TEMPERATURE], f[io.TOP_K], f[io.TOP_P], f[io.MIN_P], uniform)
 
 
 def allow_all(logits: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
     library_path()  -> the shared library to pass to SessionOptions.register_custom_ops_library
 
-The sources (paged_attention.cc, ort_abi.h) ship with the package; the library is built with the system's
-C++ compiler (`$CXX`, else c++/g++) into a cache folder keyed by the sources, the flags and this machine's
-CPU, so a changed source or another CPU builds anew and a concurrent build never leaves a half-written file.
+Ops: PagedAttentionPool / PagedAttentionPoolRows (paged_attention.cc), SpecAccept and SampleDraft
+(spec_accept.cc); register.cc adds them all to the domain. The sources (*.cc, kernel.h, ort_abi.h) ship with
+the package; the library is built with the system's C++ compiler (`$CXX`, else c++/g++) into a cache folder
+keyed by the sources, the flags and this machine's CPU, so a changed source or another CPU builds anew and a
+concurrent build never leaves a half-written file.
 `make install` builds it once; ONNX Runtime itself is not needed to compile (see ort_abi.h).
 """
 
@@ -19,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 DOMAIN = "unispec.cpu"
-SOURCES = ("paged_attention.cc", "ort_abi.h")
+SOURCES = ("paged_attention.cc", "spec_accept.cc", "register.cc", "kernel.h", "ort_abi.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 _HERE = Path(__file__).resolve().parent
 
@@ -69,7 +71,8 @@ def library_path() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([cxx, *FLAGS, "-o", str(built), str(_HERE / "paged_attention.cc")],
+        units = [str(_HERE / name) for name in SOURCES if name.endswith(".cc")]
+        result = subprocess.run([cxx, *FLAGS, "-o", str(built), *units],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"

@@ -59,7 +59,7 @@ namespace ort_abi {
 constexpr uint32_t kApiVersion = 16;        // the oldest table with everything below (ORT >= 1.16)
 constexpr uint32_t kCustomOpVersion = 16;   // CreateKernelV2 / KernelComputeV2 report errors as statuses
 
-enum ElementType : int { kFloat = 1, kInt64 = 7 };
+enum ElementType : int { kFloat = 1, kInt32 = 6, kInt64 = 7, kBool = 9 };
 enum ErrorCode : int { kInvalidArgument = 2 };
 
 enum Slot : size_t {

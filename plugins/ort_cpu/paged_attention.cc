@@ -27,48 +27,12 @@
 #include <string>
 #include <vector>
 
-#include "ort_abi.h"
+#include "kernel.h"
 
+namespace unispec_cpu {
 namespace {
 
-using namespace ort_abi;
-
-const OrtApi* g_api = nullptr;
 constexpr size_t kNumInputs = 8;       // PagedAttentionPool; PagedAttentionPoolRows adds two
-
-OrtStatus* fail(const std::string& message) {
-  return call<OrtStatus* (*)(int, const char*)>(g_api, CreateStatus)(kInvalidArgument, message.c_str());
-}
-
-#define RETURN_IF_ERROR(expr)          \
-  do {                                 \
-    if (OrtStatus* status_ = (expr)) { \
-      return status_;                  \
-    }                                  \
-  } while (0)
-
-struct Tensor {
-  std::vector<int64_t> dims;
-  void* data = nullptr;
-};
-
-OrtStatus* read_tensor(const OrtValue* value, Tensor* out) {
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(
-      g_api, GetTensorTypeAndShape)(value, &info));
-  size_t rank = 0;
-  OrtStatus* status = call<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(
-      g_api, GetDimensionsCount)(info, &rank);
-  if (status == nullptr) {
-    out->dims.resize(rank);
-    status = call<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(g_api, GetDimensions)(
-        info, out->dims.data(), rank);
-  }
-  call<void (*)(OrtTensorTypeAndShapeInfo*)>(g_api, ReleaseTensorTypeAndShapeInfo)(info);
-  RETURN_IF_ERROR(status);
-  return call<OrtStatus* (*)(OrtValue*, void**)>(g_api, GetTensorMutableData)(const_cast<OrtValue*>(value),
-                                                                               &out->data);
-}
 
 struct Attributes {
   int64_t layer = 0, k_column = 0, v_column = 0, causal = 1, sliding_window = 0;
@@ -510,10 +474,7 @@ struct Overrides {
 OrtStatus* read_overrides(OrtKernelContext* context, const Step& st, int64_t batch, Overrides* o) {
   Tensor t[2];
   for (size_t i = 0; i < 2; ++i) {
-    const OrtValue* value = nullptr;
-    RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(
-        g_api, KernelContext_GetInput)(context, kNumInputs + i, &value));
-    RETURN_IF_ERROR(read_tensor(value, &t[i]));
+    RETURN_IF_ERROR(read_input(context, kNumInputs + i, &t[i]));
   }
   if (t[0].dims.size() != 3 || t[1].dims.size() != 1 || (t[0].dims[0] != st.layers && t[0].dims[0] != 1) ||
       t[0].dims[2] != st.width || t[0].dims[1] != t[1].dims[0])
@@ -534,10 +495,7 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context, bool with_rows) {
   st.attr = *static_cast<const Attributes*>(kernel);
   Tensor t[kNumInputs];
   for (size_t i = 0; i < kNumInputs; ++i) {
-    const OrtValue* value = nullptr;
-    RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(
-        g_api, KernelContext_GetInput)(context, i, &value));
-    RETURN_IF_ERROR(read_tensor(value, &t[i]));
+    RETURN_IF_ERROR(read_input(context, i, &t[i]));
   }
   static const size_t ranks[kNumInputs] = {3, 3, 3, 4, 2, 1, 1, 1};
   for (size_t i = 0; i < kNumInputs; ++i)
@@ -565,12 +523,8 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context, bool with_rows) {
   Overrides overrides;
   if (with_rows) RETURN_IF_ERROR(read_overrides(context, st, batch, &overrides));
 
-  const int64_t out_dims[3] = {tokens, st.q_heads, st.v_dim};
-  OrtValue* out = nullptr;
-  RETURN_IF_ERROR(call<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
-      g_api, KernelContext_GetOutput)(context, 0, out_dims, 3, &out));
   void* data = nullptr;
-  RETURN_IF_ERROR(call<OrtStatus* (*)(OrtValue*, void**)>(g_api, GetTensorMutableData)(out, &data));
+  RETURN_IF_ERROR(make_output(context, 0, {tokens, st.q_heads, st.v_dim}, &data));
   st.out = static_cast<float*>(data);
   const int64_t slots_per_row = st.max_blocks * st.block_size;
   std::vector<const float*> rows;
@@ -631,15 +585,8 @@ OrtCustomOp g_paged_attention_rows = make_op(true);
 
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
-                                                                              const OrtApiBase* base) {
-  g_api = base->GetApi(kApiVersion);
-  if (g_api == nullptr) return nullptr;      // an ORT older than 1.16: nothing registered, the session says so
-  // The domain must outlive every session that uses it; ORT does not take it over, so it is never freed.
-  OrtCustomOpDomain* domain = nullptr;
-  RETURN_IF_ERROR(call<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(g_api, CreateCustomOpDomain)(
-      "unispec.cpu", &domain));
-  for (const OrtCustomOp* op : {&g_paged_attention, &g_paged_attention_rows})
-    RETURN_IF_ERROR(call<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(g_api, CustomOpDomain_Add)(domain, op));
-  return call<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(g_api, AddCustomOpDomain)(options, domain);
+const OrtCustomOp* paged_attention_op(bool with_rows) {
+  return with_rows ? &g_paged_attention_rows : &g_paged_attention;
 }
+
+}  // namespace unispec_cpu

@@ -53,7 +53,7 @@ RELAXED_DELTA = 0.6
 
 __all__ = [
     "NOISE_CHANNELS", "NOISE_DRAFT", "NOISE_RESIDUAL", "NOISE_TARGET", "RELAXED_DELTA", "RELAXED_TOP_N",
-    "count_accepted", "relaxed_verdict", "rejection_verdict", "sample_draft", "verify",
+    "choose_drafts", "count_accepted", "relaxed_verdict", "rejection_verdict", "sample_draft", "verify",
 ]
 
 
@@ -303,24 +303,69 @@ def relaxed_verdict(
 def sample_draft(
     logits: torch.Tensor,       # [..., V] draft logits in the target's vocabulary
     temperature: torch.Tensor,  # [...]
+    top_k: torch.Tensor,        # [...]
+    top_p: torch.Tensor,        # [...]
+    min_p: torch.Tensor,        # [...]
     uniform: torch.Tensor,      # [...], noise[:, step, NOISE_DRAFT]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A sampled draft and the distribution it came from: (tokens [...] int64, q [..., V] float32).
 
-    q is the drafter's distribution at the request's temperature, untruncated. Rejection sampling is
-    lossless for any q the draft was really drawn from, so the choice is about cost and acceptance:
-    truncating q like the target (top-k / top-p / min-p) would cost a TopK per draft position, while
-    acceptance only loses the draft mass outside the target's truncated support (roughly 1 - top_p).
-    The token is drawn from q *as carried* (rounded to float32; the verdict renormalizes it), so the
-    verdict sees exactly the distribution it came from. Greedy rows take the argmax and report
-    q = onehot(argmax), so `rejection_verdict` treats them as the deterministic drafts they are.
+    q is the drafter's distribution truncated like the target's, with the request's temperature, top-k,
+    top-p and min-p (truncation.truncate). Rejection sampling is lossless for any q the draft was really
+    drawn from, so the choice is about acceptance and cost: the verdict accepts sum min(p~, q), and draft
+    mass outside the target's truncated support is always rejected. Truncating q the same way moves that
+    mass onto the tokens p~ keeps (measured on the bundled Llama 3 + Eagle3 at T 0.7, top-p 0.95:
+    accepted length 2.59 -> 2.80). The token is drawn from q *as carried* (rounded to float32; the verdict
+    renormalizes it), so the verdict sees exactly the distribution it came from. Greedy rows take the
+    argmax and report q = onehot(argmax), so `rejection_verdict` treats them as the deterministic drafts
+    they are.
     """
-    safe_temperature = torch.where(is_greedy(temperature), torch.ones_like(temperature), temperature)
-    probs = torch.softmax(logits.to(PROB_DTYPE) / safe_temperature.to(PROB_DTYPE)[..., None], dim=-1)  # [..., V]
+    tokens, q, _ = _sample_draft(logits, temperature, top_k, top_p, min_p, uniform, ranking="exact")
+    return tokens, q
+
+
+def _sample_draft(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, uniform: torch.Tensor, *, ranking: Ranking
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sample_draft with the truncation's ranking chosen by the caller: (tokens, q, complete [] bool)."""
+    probs, complete = truncate(logits, temperature, top_k, top_p, min_p, ranking)  # [..., V] float64
     argmax = logits.argmax(dim=-1)                                                 # [...]
     greedy = is_greedy(temperature)                                                # [...]
     vocab_ids = torch.arange(logits.shape[-1], device=logits.device)              # [V]
     onehot = (vocab_ids == argmax[..., None]).to(probs.dtype)                     # [..., V]
     q = torch.where(greedy[..., None], onehot, probs).to(torch.float32)           # [..., V]
     sampled = sample_inverse_cdf(q.to(PROB_DTYPE), uniform)                        # [...]
-    return torch.where(greedy, argmax, sampled), q
+    return torch.where(greedy, argmax, sampled), q, complete
+
+
+def choose_drafts(
+    logits: torch.Tensor,       # [B, P, V] draft logits in the target's vocabulary
+    argmax: torch.Tensor,       # [B, P] int64 the drafter's own argmax, as target ids
+    temperature: torch.Tensor,  # [B]
+    top_k: torch.Tensor,        # [B]
+    top_p: torch.Tensor,        # [B]
+    min_p: torch.Tensor,        # [B]
+    uniform: torch.Tensor,      # [B, P], noise[:, first + j, NOISE_DRAFT]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafts of P positions per row and the distributions they were drawn from: (tokens [B, P] int64,
+    q [B, P, V] float32); the body of the SampleDraft op (plugins/spec_accept/op.py).
+
+    Greedy rows keep `argmax`; sampled rows draw with `sample_draft`, its truncation ranked as the
+    verdict's is (_when_sampled: no TopK when no row truncates by rank or mass, 256 candidates before a
+    full sort). A step where every row is greedy skips the sampling and reports q of zeros.
+    """
+    greedy = is_greedy(temperature)[:, None]                                        # [B, 1]
+    params = [_per_position(p, logits.shape[1]) for p in (temperature, top_k, top_p, min_p)]   # [B, P] each
+
+    def sampled_rows(logits: torch.Tensor, argmax: torch.Tensor, uniform: torch.Tensor, *params: torch.Tensor,
+                     ranking: Ranking) -> tuple[torch.Tensor, ...]:
+        return _sample_draft(logits, *params, uniform, ranking=ranking)
+
+    def greedy_rows_only(logits: torch.Tensor, argmax: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (argmax.clone(), torch.zeros_like(logits),                           # zeros: deterministic
+                torch.ones((), dtype=torch.bool, device=logits.device))
+
+    # greedy rows keep the drafter's argmax whichever branch ran (all-greedy returns it for every row)
+    tokens, q = _when_sampled((~greedy).any(), needs_ranking(top_k, top_p, logits.shape[-1]), sampled_rows,
+                              greedy_rows_only, (logits, argmax, uniform, *params))
+    return torch.where(greedy, argmax, tokens), q

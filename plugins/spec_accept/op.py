@@ -1,10 +1,11 @@
-"""`unispec::spec_accept`: the SpecAccept custom op; its eager body is the reference (reference.py)."""
+"""`unispec::spec_accept` and `unispec::sample_draft`: the SpecAccept and SampleDraft custom ops; their eager
+bodies are the references (reference.py, acceptance.choose_drafts)."""
 
 from typing import Optional
 
 import torch
 
-from plugins.spec_accept import reference
+from plugins.spec_accept import acceptance, reference
 
 
 @torch.library.custom_op("unispec::spec_accept", mutates_args=())
@@ -37,3 +38,21 @@ def _(logits, draft_tokens, temperature, top_k, top_p, min_p, noise, in_thinking
       num_drafts, relaxed_top_n, relaxed_delta):
     batch = logits.shape[0]
     return logits.new_empty(batch, dtype=torch.int64), logits.new_empty(batch, dtype=torch.int64)
+
+
+@torch.library.custom_op("unispec::sample_draft", mutates_args=())
+def sample_draft(
+    logits: torch.Tensor,       # [B, P, V] float32, the drafter's logits in the target's vocabulary
+    argmax: torch.Tensor,       # [B, P] int64
+    temperature: torch.Tensor,  # [B]
+    top_k: torch.Tensor,        # [B] int64
+    top_p: torch.Tensor,        # [B]
+    min_p: torch.Tensor,        # [B]
+    uniform: torch.Tensor,      # [B, P]
+) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B, P] int64, q [B, P, V] float32
+    return acceptance.choose_drafts(logits, argmax, temperature, top_k, top_p, min_p, uniform)
+
+
+@sample_draft.register_fake
+def _(logits, argmax, temperature, top_k, top_p, min_p, uniform):
+    return argmax.new_empty(argmax.shape), logits.new_empty(logits.shape, dtype=torch.float32)

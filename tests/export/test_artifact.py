@@ -185,7 +185,7 @@ def test_manifest_describes_the_graph(artifacts: dict[str, Path], checkpoints: d
         assert specs[pool.name].shape == ("num_blocks", pool.num_layers, 16, pool.width)
     custom = sorted({n.op_type for n in graph.node if n.domain == "unispec"})
     assert list(manifest.ops) == custom
-    assert set(custom) <= {"PagedAttention", "PagedMLA", "MoE", "SpecAccept"}            # DESIGN.md §4
+    assert set(custom) <= {"PagedAttention", "PagedMLA", "MoE", "SpecAccept", "SampleDraft"}   # DESIGN.md §4
     functions = {(f.domain, f.name) for f in onnx.load(str(path / io.MODEL_NAME), load_external_data=False).functions}
     assert {("unispec", op) for op in custom} <= functions                                # reference bodies kept
 

@@ -19,16 +19,17 @@ from tests.plugins.test_paged_mla import RANK, SMALL
 F32, I64 = ir.DataType.FLOAT, ir.DataType.INT64
 
 
-def test_registry_lists_the_four_ops_with_schemas() -> None:
+def test_registry_lists_the_ops_with_schemas() -> None:
     plugins.register_schemas()
     plugins.register_schemas()   # idempotent
-    assert set(plugins.specs()) == {"PagedAttention", "PagedMLA", "MoE", "SpecAccept"}
+    # DESIGN.md §4's four, and SampleDraft (the sampled drafts' choice, beside SpecAccept in plugins/spec_accept)
+    assert set(plugins.specs()) == {"PagedAttention", "PagedMLA", "MoE", "SpecAccept", "SampleDraft"}
     for op_type, spec in plugins.specs().items():
         schema = onnx.defs.get_schema(op_type, 1, DOMAIN)
         assert [i.name for i in schema.inputs] == [p.name for p in spec.inputs]
         assert {"plugin_namespace", "plugin_version", *spec.attribute_types()} == set(schema.attributes)
         assert not onnx.defs.has(op_type), "a plugin name must never be an ONNX op name"
-    assert len(plugins.custom_translation_table()) == 4
+    assert len(plugins.custom_translation_table()) == 5
 
 
 def test_overload_names_are_stable_readable_and_distinct() -> None:

@@ -53,7 +53,7 @@ def _step(requests: list[_Request], mode: str) -> None:
     previous, proposals, probs = next_tokens, [], []
     for i in range(K):
         if mode == "rejection":
-            previous, q = sample_draft(DRAFT[previous], params[0], noise[:, i, NOISE_DRAFT])
+            previous, q = sample_draft(DRAFT[previous], *params, noise[:, i, NOISE_DRAFT])
             probs.append(q)
         else:
             previous = DRAFT[previous].argmax(-1)

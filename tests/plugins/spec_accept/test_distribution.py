@@ -105,7 +105,7 @@ def _run(mode: str, setting: tuple[float, int, float, float], seed: int):
         drafts = _deterministic_drafts(logits, seed)
         return logits, drafts, *verify(batch_logits, drafts, *params, noise)
     draft_logits = logits[:K] + 1.0 * torch.randn(K, VOCAB, generator=torch.Generator().manual_seed(seed + 2))
-    steps = [sample_draft(draft_logits[i].expand(ROWS, -1), params[0], noise[:, i, NOISE_DRAFT]) for i in range(K)]
+    steps = [sample_draft(draft_logits[i].expand(ROWS, -1), *params, noise[:, i, NOISE_DRAFT]) for i in range(K)]
     drafts = torch.stack([tokens for tokens, _ in steps], dim=1)                    # [R, K]
     draft_probs = torch.stack([q for _, q in steps], dim=1)                         # [R, K, V]
     return logits, drafts, *verify(batch_logits, drafts, *params, noise, draft_probs=draft_probs)

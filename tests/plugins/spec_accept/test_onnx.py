@@ -53,7 +53,7 @@ class _RejectionAndDraft(torch.nn.Module):
                 token_bitmask, draft_probs, draft_logits):
         num_accepted, next_tokens = verify(logits, draft_tokens, temperature, top_k, top_p, min_p, noise,
                                            in_thinking_phase, token_bitmask, draft_probs, lazy=self.lazy)
-        tokens, q = sample_draft(draft_logits, temperature, noise[:, 0, NOISE_DRAFT])
+        tokens, q = sample_draft(draft_logits, temperature, top_k, top_p, min_p, noise[:, 0, NOISE_DRAFT])
         return num_accepted, next_tokens, tokens, q
 
 

@@ -1,0 +1,80 @@
+// What unispec's ONNX Runtime CPU kernels share: the ORT table they call through, error statuses, reading
+// inputs and allocating outputs, and the ops each source file defines (registered by register.cc).
+
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ort_abi.h"
+
+namespace unispec_cpu {
+
+using namespace ort_abi;
+
+inline const OrtApi* g_api = nullptr;       // set once by RegisterCustomOps
+
+inline OrtStatus* fail(const std::string& message) {
+  return call<OrtStatus* (*)(int, const char*)>(g_api, CreateStatus)(kInvalidArgument, message.c_str());
+}
+
+#define RETURN_IF_ERROR(expr)          \
+  do {                                 \
+    if (OrtStatus* status_ = (expr)) { \
+      return status_;                  \
+    }                                  \
+  } while (0)
+
+struct Tensor {
+  std::vector<int64_t> dims;
+  void* data = nullptr;
+
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;
+    return n;
+  }
+};
+
+inline OrtStatus* read_tensor(const OrtValue* value, Tensor* out) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(
+      g_api, GetTensorTypeAndShape)(value, &info));
+  size_t rank = 0;
+  OrtStatus* status = call<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(
+      g_api, GetDimensionsCount)(info, &rank);
+  if (status == nullptr) {
+    out->dims.resize(rank);
+    status = call<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(g_api, GetDimensions)(
+        info, out->dims.data(), rank);
+  }
+  call<void (*)(OrtTensorTypeAndShapeInfo*)>(g_api, ReleaseTensorTypeAndShapeInfo)(info);
+  RETURN_IF_ERROR(status);
+  return call<OrtStatus* (*)(OrtValue*, void**)>(g_api, GetTensorMutableData)(const_cast<OrtValue*>(value),
+                                                                               &out->data);
+}
+
+// Input `index` of the node as a Tensor (its dims and data).
+inline OrtStatus* read_input(OrtKernelContext* context, size_t index, Tensor* out) {
+  const OrtValue* value = nullptr;
+  RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(
+      g_api, KernelContext_GetInput)(context, index, &value));
+  return read_tensor(value, out);
+}
+
+// Output `index` allocated with `dims`; its data pointer in *data.
+inline OrtStatus* make_output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims,
+                              void** data) {
+  OrtValue* out = nullptr;
+  RETURN_IF_ERROR(call<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
+      g_api, KernelContext_GetOutput)(context, index, dims.data(), dims.size(), &out));
+  return call<OrtStatus* (*)(OrtValue*, void**)>(g_api, GetTensorMutableData)(out, data);
+}
+
+// The ops, one or more per source file.
+const OrtCustomOp* paged_attention_op(bool with_rows);   // paged_attention.cc
+const OrtCustomOp* spec_accept_op();                      // spec_accept.cc
+const OrtCustomOp* sample_draft_op();                     // spec_accept.cc
+
+}  // namespace unispec_cpu
