@@ -53,7 +53,10 @@ have not decoded yet). Measured, speculating every step on the bundled Llama 3 +
 decode-step model expected 1.53x / 1.25x / 1.26x at batch 1 / 4 / 16, and the runs gave 1.38x / 1.00x /
 0.88x. Once rows speculate, they keep on while the gain clears 1 + STAY_MARGIN alone: leaving half-way
 was worse than either graph throughout (same pair, batch 4: repeats that switched to target-only midway
-ran at 0.72-0.89x of target-only, those that speculated to the end at 0.91-1.18x).
+ran at 0.72-0.89x of target-only, those that speculated to the end at 0.91-1.18x). Speculation a probe
+started is not such a choice: it is kept only over the bar to start. Kept over 1 + STAY_MARGIN instead,
+a probe at batch 16 (DeepSeek-V3 + Eagle3, greedy: decode-step gain ~1.1x, 0.83x when speculating every
+step) went on speculating in 7 of 16 repeats and the cell ran at 0.93x of target-only.
 
 Peers: vLLM turns speculation off above a batch size (`speculative_disable_by_batch_size`); TRT-LLM and
 SGLang adapt the draft length to the batch. Here the switch is whole-step, costed, and per artifact.
@@ -112,6 +115,7 @@ class SpeculationPolicy:
         self.current = SPECULATIVE if mode != "never" else TARGET_ONLY
         self._dwell = self._since_probe = 0
         self._probe_after = FIRST_PROBE
+        self._probing = False            # speculating on a probe: kept only over the bar to start
 
     def choose(self, rows: Sequence[SequenceState]) -> str:
         """SPECULATIVE or TARGET_ONLY for the next step over (about) `rows`."""
@@ -128,6 +132,7 @@ class SpeculationPolicy:
             (kind == SPECULATIVE or (_gap(rows) <= ENTER_GAP / 4 and reach >= PROBE_REACH))
         if probe:
             kind, self._probe_after = _other(kind), min(2 * self._probe_after, PROBE_INTERVAL)
+        self._probing = probe and kind == SPECULATIVE
         if kind != self.current:
             self._since_probe = 0
             probe_dwell = MIN_DWELL // 2 if kind == SPECULATIVE else MIN_DWELL // 4
@@ -151,7 +156,7 @@ class SpeculationPolicy:
             return SPECULATIVE, math.inf                                  # nothing to borrow: explore
         gain = sum(1.0 + self.expected_accepted(r) for r in rows) / max(len(rows), 1) / ratio
         bar = 1.0 + STAY_MARGIN
-        if self.current == TARGET_ONLY or not any(r.generated for r in rows):    # a batch to start
+        if self.current == TARGET_ONLY or self._probing or not any(r.generated for r in rows):   # to start
             bar *= 1.0 + BATCH_MARGIN * math.log2(bucket)
         if self.current == TARGET_ONLY:
             bar += ENTER_MARGIN * min(1.0, _gap(rows) / ENTER_GAP)

@@ -112,6 +112,9 @@ def test_larger_batches_need_a_larger_gain_to_start_and_hopeless_speculation_is_
     decoding.generated = [7]
     policy.current, policy._dwell = SPEC, 0
     assert policy.choose([decoding] * 16) == SPEC                          # started: kept while over 1.05x
+    policy._probing, policy._dwell = True, 0
+    assert policy.choose([decoding] * 16) == ONLY                          # on a probe: kept only over 1.47x
+    assert not policy._probing
     policy.prior[False], policy.current, policy._dwell = 0.0, ONLY, 0
     hopeless = [_row(accepted=(0,) * 16)] * 16                              # 1 token per 2.2x step: 0.45x
     assert [policy.choose(hopeless) for _ in range(4 * sp.FIRST_PROBE)] == [ONLY] * (4 * sp.FIRST_PROBE)
