@@ -1,8 +1,8 @@
 """SampleDraft in ONNX: the translation to one two-output `unispec::SampleDraft` node and its spec.
 
-No TensorRT plugin takes this node: TensorRT imports its model-local reference function (the sampling behind
-an If on "does any row sample", as before the op existed), and model.ort.onnx runs ONNX Runtime's native
-kernel instead (plugins/ort_cpu/spec_accept.cc, export/ort_lowering.lower_sampling).
+No TensorRT plugin takes this node: TensorRT imports its model-local reference function (acceptance.choose_drafts:
+the sampling in sibling Ifs on "does any row sample" and how the truncation ranks), and model.ort.onnx runs
+ONNX Runtime's native kernel instead (plugins/ort_cpu/spec_accept.cc, export/ort_sampling.lower).
 """
 
 # No `from __future__ import annotations`: onnxscript reads the translation's annotations as objects.
@@ -19,8 +19,6 @@ from plugins.spec_accept import acceptance, op  # noqa: F401  (op registers the 
 @script(unispec)
 def sample_draft_onnx(logits: FLOAT, drafter_argmax: INT64, temperature: FLOAT, top_k: INT64, top_p: FLOAT,
                       min_p: FLOAT, uniform: FLOAT) -> tuple[INT64, FLOAT]:
-    # The port is not called "argmax": the traced reference names a node output so, and a function needs
-    # its names unique.
     tokens, q = unispec.SampleDraft(logits, drafter_argmax, temperature, top_k, top_p, min_p, uniform,
                                     plugin_namespace=DOMAIN, plugin_version=PLUGIN_VERSION)
     return tokens, q

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from export.artifact import export_model, read_artifact
 from export.methods import build_step
 from export.onnx_files import EXTERNAL_MIN_BYTES
 from export.tiny import write_tiny
+from plugins import ort_cpu
 from plugins.spec_accept.acceptance import NOISE_CHANNELS
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ExportError
@@ -332,6 +334,12 @@ def test_the_ort_graph_is_inlined_smaller_and_shares_the_weights_file(artifacts:
     flat = [f for f in full.functions if f.name == "SpecAccept"]
     assert flat and all({"Mod", "Softmax"} <= {n.op_type for n in f.node} for f in flat)
     assert not {"Mod", "Softmax"} & {n.op_type for n in ort_graph.graph.node}
+    # the speculative math runs as native kernels there (export/ort_sampling.py): the verdict and one draft
+    # choice per draft step, the same nodes model.onnx has in the unispec domain
+    native = Counter(n.op_type for n in ort_graph.graph.node if n.domain == ort_cpu.DOMAIN)
+    exported = Counter(n.op_type for n in full.graph.node if n.op_type in ("SpecAccept", "SampleDraft"))
+    assert native["SpecAccept"] == exported["SpecAccept"] == 1
+    assert native["SampleDraft"] == exported["SampleDraft"] == Manifest.load(path).num_speculative_tokens
 
 
 def _largest_inline_tensor(graph: onnx.GraphProto) -> int:
