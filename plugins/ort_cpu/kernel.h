@@ -72,6 +72,22 @@ inline OrtStatus* make_output(OrtKernelContext* context, size_t index, const std
   return call<OrtStatus* (*)(OrtValue*, void**)>(g_api, GetTensorMutableData)(out, data);
 }
 
+// An op of the CPU provider with the fields every unispec op sets alike; the caller adds its name, types,
+// counts and kernel functions.
+inline OrtCustomOp cpu_op() {
+  OrtCustomOp op{};
+  op.version = kCustomOpVersion;
+  op.GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };
+  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return 0; };
+  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  return op;
+}
+
 // The ops, one or more per source file.
 const OrtCustomOp* paged_attention_op(bool with_rows);   // paged_attention.cc
 const OrtCustomOp* spec_accept_op();                      // spec_accept.cc

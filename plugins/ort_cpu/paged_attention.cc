@@ -553,20 +553,11 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*
 }
 
 OrtCustomOp make_op(bool with_rows) {
-  OrtCustomOp op{};
-  op.version = kCustomOpVersion;
-  op.GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
+  OrtCustomOp op = cpu_op();
   op.GetInputType = [](const OrtCustomOp*, size_t i) { return int(i < 4 || i == kNumInputs ? kFloat : kInt64); };
   op.GetOutputTypeCount = [](const OrtCustomOp*) { return size_t(1); };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return int(kFloat); };
   op.KernelDestroy = [](void* kernel) { delete static_cast<Attributes*>(kernel); };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return 0; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
   op.CreateKernelV2 = create_kernel;
   if (with_rows) {
     op.GetName = [](const OrtCustomOp*) { return "PagedAttentionPoolRows"; };

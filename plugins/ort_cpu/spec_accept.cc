@@ -391,16 +391,7 @@ OrtStatus* create_spec_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernel
 }
 
 OrtCustomOp make_op(bool spec) {
-  OrtCustomOp op{};
-  op.version = kCustomOpVersion;
-  op.GetExecutionProviderType = [](const OrtCustomOp*) { return "CPUExecutionProvider"; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return 0; };
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return 0; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  OrtCustomOp op = cpu_op();
   op.GetOutputTypeCount = [](const OrtCustomOp*) { return size_t(2); };
   if (spec) {
     op.GetName = [](const OrtCustomOp*) { return "SpecAccept"; };
