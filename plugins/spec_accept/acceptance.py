@@ -351,22 +351,21 @@ def choose_drafts(
     """The drafts of P positions per row and the distributions they were drawn from: (tokens [B, P] int64,
     q [B, P, V] float32); the body of the SampleDraft op (plugins/spec_accept/op.py).
 
-    Greedy rows keep `argmax`; sampled rows draw with `sample_draft`, its truncation ranked as the
-    verdict's is (_when_sampled: no TopK when no row truncates by rank or mass, 256 candidates before a
-    full sort). A step where every row is greedy skips the sampling and reports q of zeros.
+    Greedy rows keep `argmax`; sampled rows draw with `sample_draft`. A step where every row is greedy
+    skips the sampling (one ONNX If) and reports q of zeros. The truncation ranks by a full sort: ranked
+    like the verdict's (_when_sampled's three sibling Ifs), the graph of eagle3-mha failed to build in
+    TensorRT-RTX 1.7 (MyelinCheckException in ssa.cpp); ONNX Runtime runs the native kernel instead.
     """
     greedy = is_greedy(temperature)[:, None]                                        # [B, 1]
     params = [_per_position(p, logits.shape[1]) for p in (temperature, top_k, top_p, min_p)]   # [B, P] each
 
-    def sampled_rows(logits: torch.Tensor, argmax: torch.Tensor, uniform: torch.Tensor, *params: torch.Tensor,
-                     ranking: Ranking) -> tuple[torch.Tensor, ...]:
-        return _sample_draft(logits, *params, uniform, ranking=ranking)
+    def some_sampled(logits: torch.Tensor, argmax: torch.Tensor, uniform: torch.Tensor,
+                     *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, q, _ = _sample_draft(logits, *params, uniform, ranking="exact")
+        return torch.where(greedy, argmax, tokens), q
 
-    def greedy_rows_only(logits: torch.Tensor, argmax: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (argmax.clone(), torch.zeros_like(logits),                           # zeros: deterministic
-                torch.ones((), dtype=torch.bool, device=logits.device))
+    def all_greedy(logits: torch.Tensor, argmax: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return argmax.clone(), torch.zeros_like(logits)                             # zeros: deterministic
 
-    # greedy rows keep the drafter's argmax whichever branch ran (all-greedy returns it for every row)
-    tokens, q = _when_sampled((~greedy).any(), needs_ranking(top_k, top_p, logits.shape[-1]), sampled_rows,
-                              greedy_rows_only, (logits, argmax, uniform, *params))
+    tokens, q = torch.cond((~greedy).any(), some_sampled, all_greedy, (logits, argmax, uniform, *params))
     return torch.where(greedy, argmax, tokens), q

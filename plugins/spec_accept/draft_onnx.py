@@ -1,8 +1,8 @@
 """SampleDraft in ONNX: the translation to one two-output `unispec::SampleDraft` node and its spec.
 
 No TensorRT plugin takes this node: TensorRT imports its model-local reference function (acceptance.choose_drafts:
-the sampling in sibling Ifs on "does any row sample" and how the truncation ranks), and model.ort.onnx runs
-ONNX Runtime's native kernel instead (plugins/ort_cpu/spec_accept.cc, export/ort_sampling.lower).
+the sampling in an If on "does any row sample"), and model.ort.onnx runs ONNX Runtime's native kernel instead
+(plugins/ort_cpu/spec_accept.cc, export/ort_sampling.lower).
 """
 
 # No `from __future__ import annotations`: onnxscript reads the translation's annotations as objects.
