@@ -24,8 +24,8 @@
 // softmax, threshold, renormalize, sequential cumsum, count of cdf <= u * total). Sums may round differently
 // from torch's in the last bits, so a uniform would have to land within ~1e-16 of a CDF boundary for a token
 // to differ, as between torch and ONNX Runtime's decomposition (truncation.py says the same).
-// Ranking: the k-th largest and the top-p nucleus are read off the NUCLEUS_CANDIDATES largest probabilities
-// (nth_element + sort of that prefix), and off a full sort only when the nucleus is not complete inside them.
+// Ranking: the k-th largest and the top-p nucleus are exact, read off the probabilities that can reach them
+// (ranked_floor), as the reference's full sort or its 256 candidates read them.
 
 #include <algorithm>
 #include <cmath>
@@ -46,7 +46,6 @@ namespace unispec_cpu {
 namespace {
 
 constexpr float kGreedyTemperature = 1e-5f;     // truncation.GREEDY_TEMPERATURE
-constexpr int64_t kCandidates = 256;             // truncation.NUCLEUS_CANDIDATES
 constexpr int64_t kNoiseTarget = 0, kNoiseResidual = 1;   // acceptance.NOISE_TARGET / NOISE_RESIDUAL
 constexpr size_t kSpecInputs = 10, kDraftInputs = 7;
 constexpr double kInf = std::numeric_limits<double>::infinity();

@@ -41,6 +41,7 @@ from plugins.spec_accept.truncation import (
     needs_ranking,
     sample_inverse_cdf,
     truncate,
+    truncated_probs,
 )
 
 NOISE_CHANNELS = 3
@@ -316,27 +317,19 @@ def sample_draft(
     mass outside the target's truncated support is always rejected. Truncating q the same way moves that
     mass onto the tokens p~ keeps (measured at T 0.7, top-p 0.95 on the bundled drafts distilled on the
     target's distribution: Llama 3 + Eagle3 accepts 2.59 -> 2.80 tokens per step; a q more peaked than p,
-    like DeepSeek-V3's MTP layer trained on argmax labels, loses a little: 1.75 -> 1.69). The token is drawn from q *as carried* (rounded to float32; the verdict
-    renormalizes it), so the verdict sees exactly the distribution it came from. Greedy rows take the
-    argmax and report q = onehot(argmax), so `rejection_verdict` treats them as the deterministic drafts
-    they are.
+    like DeepSeek-V3's MTP layer trained on argmax labels, loses a little: 1.75 -> 1.69). The token is drawn
+    from q *as carried* (rounded to float32; the verdict renormalizes it), so the verdict sees exactly the
+    distribution it came from. Greedy rows take the argmax and report q = onehot(argmax), so
+    `rejection_verdict` treats them as the deterministic drafts they are.
     """
-    tokens, q, _ = _sample_draft(logits, temperature, top_k, top_p, min_p, uniform, ranking="exact")
-    return tokens, q
-
-
-def _sample_draft(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor, uniform: torch.Tensor, *, ranking: Ranking
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """sample_draft with the truncation's ranking chosen by the caller: (tokens, q, complete [] bool)."""
-    probs, complete = truncate(logits, temperature, top_k, top_p, min_p, ranking)  # [..., V] float64
+    probs = truncated_probs(logits, temperature, top_k, top_p, min_p)             # [..., V] float64
     argmax = logits.argmax(dim=-1)                                                 # [...]
     greedy = is_greedy(temperature)                                                # [...]
     vocab_ids = torch.arange(logits.shape[-1], device=logits.device)              # [V]
     onehot = (vocab_ids == argmax[..., None]).to(probs.dtype)                     # [..., V]
     q = torch.where(greedy[..., None], onehot, probs).to(torch.float32)           # [..., V]
     sampled = sample_inverse_cdf(q.to(PROB_DTYPE), uniform)                        # [...]
-    return torch.where(greedy, argmax, sampled), q, complete
+    return torch.where(greedy, argmax, sampled), q
 
 
 def choose_drafts(
@@ -353,19 +346,21 @@ def choose_drafts(
 
     Greedy rows keep `argmax`; sampled rows draw with `sample_draft`. A step where every row is greedy
     skips the sampling (one ONNX If) and reports q of zeros. The truncation ranks by a full sort: ranked
-    like the verdict's (_when_sampled's three sibling Ifs), the graph of eagle3-mha failed to build in
-    TensorRT-RTX 1.7 (MyelinCheckException in ssa.cpp); ONNX Runtime runs the native kernel instead.
+    like the verdict's (_when_sampled's three sibling Ifs, greedy rows selected after them), the graph of
+    eagle3-mha failed to build in TensorRT-RTX 1.7 (MyelinCheckException in ssa.cpp); ONNX Runtime runs
+    the native kernel instead.
     """
     greedy = is_greedy(temperature)[:, None]                                        # [B, 1]
     params = [_per_position(p, logits.shape[1]) for p in (temperature, top_k, top_p, min_p)]   # [B, P] each
 
     def some_sampled(logits: torch.Tensor, argmax: torch.Tensor, uniform: torch.Tensor,
                      *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, q, _ = _sample_draft(logits, *params, uniform, ranking="exact")
+        tokens, q = sample_draft(logits, *params, uniform)
         return torch.where(greedy, argmax, tokens), q
 
     def all_greedy(logits: torch.Tensor, argmax: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return argmax.clone(), torch.zeros_like(logits)                             # zeros: deterministic
 
-    tokens, q = torch.cond((~greedy).any(), some_sampled, all_greedy, (logits, argmax, uniform, *params))
-    return torch.where(greedy, argmax, tokens), q
+    # Greedy rows take the drafter's argmax inside the branch: selected after the If, the token became a
+    # phi node that TensorRT-RTX 1.7's Myelin failed on (eagle3-mha, MyelinCheckException in ssa.cpp).
+    return torch.cond((~greedy).any(), some_sampled, all_greedy, (logits, argmax, uniform, *params))
