@@ -20,12 +20,13 @@
 // Here a row is done in one pass per verified position, and positions after the first rejection (whose
 // verdict cannot change the outputs) are skipped.
 //
-// Exactness: probabilities in float64 as in truncation.py, the same operations in the same order (tempered
-// softmax, threshold, renormalize, sequential cumsum, count of cdf <= u * total). Sums may round differently
-// from torch's in the last bits, so a uniform would have to land within ~1e-16 of a CDF boundary for a token
-// to differ, as between torch and ONNX Runtime's decomposition (truncation.py says the same).
+// Exactness: probabilities in float64 as in truncation.py, the same operations (tempered softmax, threshold,
+// renormalize, cumulative mass, count of cdf <= u * total). Sums are vectorized or taken in groups, so they
+// may round differently from torch's in the last bits: a uniform (or a nucleus budget) would have to land
+// within ~1e-16 of a boundary for a token to differ, as between torch and ONNX Runtime's decomposition
+// (truncation.py says the same).
 // Ranking: the k-th largest and the top-p nucleus are exact, read off the probabilities that can reach them
-// (ranked_floor), as the reference's full sort or its 256 candidates read them.
+// (ranked_floor, nucleus_floor), as the reference's full sort or its 256 candidates read them.
 
 #include <algorithm>
 #include <cmath>
@@ -70,27 +71,27 @@ void exp_in_place(double* x, int64_t n) {
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
-struct Softmax {
-  double p_max, p_min;        // the largest and smallest probabilities
-};
-
-// softmax(logits / t) in float64 into out[n]. The largest logit gives the largest scaled value (division by
-// t > 0 rounds monotonically), so the peak is known before scaling.
-Softmax softmax(const float* logits, int64_t n, double t, double* out) {
+// softmax(logits / t) in float64 into out[n]; returns the largest probability. The largest logit gives the
+// largest scaled value (division by t > 0 rounds monotonically), so the peak is known before scaling. The
+// reductions are vectorized (their order differs from torch's in the last bits, as the header allows).
+double softmax(const float* logits, int64_t n, double t, double* out) {
   float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
   for (int64_t i = 0; i < n; ++i) top = std::max(top, logits[i]);
   const double peak = static_cast<double>(top) / t;
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(logits[i]) / t - peak;
   exp_in_place(out, n);
   double total = 0.0;
+#pragma omp simd reduction(+ : total)
   for (int64_t i = 0; i < n; ++i) total += out[i];
-  Softmax r{0.0, kInf};
+  double p_max = 0.0;
+#pragma omp simd reduction(max : p_max)
   for (int64_t i = 0; i < n; ++i) {
     out[i] /= total;
-    r.p_max = std::max(r.p_max, out[i]);
-    r.p_min = std::min(r.p_min, out[i]);
+    p_max = std::max(p_max, out[i]);
   }
-  return r;
+  return p_max;
 }
 
 // truncation.sample_inverse_cdf: the first token whose cdf exceeds u * total, never a zero-weight one.
@@ -101,9 +102,10 @@ template <typename T>
 int64_t sample_inverse_cdf(const T* weights, int64_t n, float u) {
   double running = 0.0;
   int64_t last_positive = 0;
+#pragma omp simd reduction(+ : running) reduction(max : last_positive)
   for (int64_t i = 0; i < n; ++i) {
     running += static_cast<double>(weights[i]);
-    if (weights[i] > 0) last_positive = i;
+    last_positive = weights[i] > 0 ? std::max(last_positive, i) : last_positive;
   }
   const double target = static_cast<double>(u) * running;
   double cdf = 0.0;
@@ -122,69 +124,134 @@ struct RowParams {
 
 // Scratch buffers reused across a step's rows and positions.
 struct Scratch {
-  std::vector<double> probs, ranked, residual;
+  std::vector<double> probs, ranked, residual, partitioned;
   std::vector<float> masked;
 };
 
 // The values of probs[n] that are >= tau, into s.ranked (vocabulary order).
 void collect(const double* probs, int64_t n, double tau, Scratch& s) {
-  s.ranked.clear();
-  for (int64_t i = 0; i < n; ++i)
-    if (probs[i] >= tau) s.ranked.push_back(probs[i]);
+  s.ranked.resize(n);
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {          // branchless: a flat row keeps nearly all, a peaked one few
+    s.ranked[m] = probs[i];
+    m += probs[i] >= tau;
+  }
+  s.ranked.resize(m);
+}
+
+// The nucleus of values v[0, m) (any order; v and s.partitioned are overwritten): the values whose exclusive
+// mass in rank order (the mass of the values ranked above them) is below `budget`. Returns its smallest
+// value, or -1 when it is empty (budget <= 0); *all_in says every value is in it, and then *mass is theirs.
+//
+// A quickselect on mass with a three-way, branchless partition around a pivot value: the pivot's first rank
+// has exclusive mass (mass above the range) + (mass of the larger values), so one pass says which side the
+// boundary is on. It reads O(m) values; popping a heap rank by rank read O(nucleus * log m), and std::
+// nth_element mispredicts a branch per value: DFlash's flat later positions have nuclei of ~960 of 1024
+// tokens. A range of at most kSmallRange values is sorted and walked rank by rank.
+double nucleus_floor(double* v, int64_t m, double budget, Scratch& s, bool* all_in, double* mass) {
+  constexpr int64_t kSmallRange = 32;
+  s.partitioned.resize(m);
+  double* buffers[2] = {v, s.partitioned.data()};
+  int current = 0;                          // the range lies in buffers[current]
+  double* range = v;
+  int64_t r = m;
+  double above = 0.0, floor = -1.0;         // above: the mass of the values known to be in the nucleus
+  bool ended = false;                       // the first rank out is known
+  *all_in = true;
+  while (r > kSmallRange) {
+    const double a = range[0], b = range[r / 2], c = range[r - 1];
+    const double pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));   // median of three
+    double* out = buffers[1 - current];
+    int64_t num_high = 0, num_low = 0;
+    double high = 0.0, tied = 0.0;
+    for (int64_t i = 0; i < r; ++i) {       // larger values to out's front, smaller ones to its back
+      const double x = range[i];
+      out[num_high] = x;
+      out[m - 1 - num_low] = x;
+      num_high += x > pivot;
+      num_low += x < pivot;
+      high += x > pivot ? x : 0.0;
+      tied += x == pivot ? x : 0.0;
+    }
+    current = 1 - current;
+    if (above + high >= budget) {           // the pivot's first rank is out, and so is every smaller value
+      *all_in = false;
+      range = out;
+      r = num_high;
+      continue;
+    }
+    floor = pivot;                          // the pivot is in, and everything larger
+    above += high + tied;
+    if (num_low > 0 && above >= budget) {   // the largest smaller value is out
+      *all_in = false;
+      ended = true;
+      break;
+    }
+    range = out + (m - num_low);
+    r = num_low;
+  }
+  if (!ended) {
+    std::sort(range, range + r, std::greater<double>());
+    for (int64_t j = 0; j < r; ++j) {
+      if (above >= budget) {
+        *all_in = false;
+        break;
+      }
+      floor = range[j];
+      above += range[j];
+    }
+  }
+  *mass = above;
+  return floor;
 }
 
 // truncation._ranked_floor: max(k-th largest probability, top-p nucleus floor), exact; k in 1..n (n = off).
 //
 // Only the largest probabilities matter, so it first ranks those >= tau, a bound under which the rest
 // cannot reach the nucleus (their mass is below n * tau = (1 - top_p) / 2), and ranks the whole vocabulary
-// only when that prefix turns out short (fewer than k values, or its top-k mass below the budget). The
-// nucleus is read off a heap, popping the largest values in order until the exclusive cumulative mass
-// reaches the budget: the same sequential sums, in the same rank order, as the reference's cumsum.
-double ranked_floor(const double* probs, int64_t n, int64_t k, float top_p, double smallest, double p_max,
-                    Scratch& s) {
+// only when that prefix turns out short (fewer than k values, or its nucleus mass below the budget).
+double ranked_floor(const double* probs, int64_t n, int64_t k, float top_p, double p_max, Scratch& s) {
   const double tau = top_p < 1.0f ? (1.0 - static_cast<double>(top_p)) / (2.0 * static_cast<double>(n)) : 0.0;
   for (double bound = tau;; bound = 0.0) {
     collect(probs, n, bound, s);
     const int64_t m = static_cast<int64_t>(s.ranked.size());
     if (k < n && m < k) continue;                                     // the k-th largest is below the bound
     auto begin = s.ranked.begin();
-    double kth = smallest;
+    double kth = 0.0;                                                 // no top-k: every probability is >= 0
     if (k < n) {
       std::nth_element(begin, begin + (k - 1), s.ranked.end(), std::greater<double>());
       kth = s.ranked[k - 1];
     }
     if (top_p >= 1.0f) return kth;                                    // no nucleus: its floor is 0
     double mass = 0.0;                                                // of the top-k set, in vocabulary order
-    for (int64_t i = 0; i < n; ++i)
-      if (probs[i] >= kth) mass += probs[i];
+#pragma omp simd reduction(+ : mass)
+    for (int64_t i = 0; i < n; ++i) mass += probs[i] >= kth ? probs[i] : 0.0;
     const double budget = static_cast<double>(top_p) * mass;
     auto end = std::remove_if(begin, s.ranked.end(), [kth](double p) { return p < kth; });
-    std::make_heap(begin, end);
-    double cumulative = 0.0, floor = 0.0;
-    int64_t num_nucleus = 0;                                          // ranks whose exclusive mass < budget
-    while (begin != end && cumulative < budget) {
-      std::pop_heap(begin, end);
-      --end;
-      floor = *end;
-      ++num_nucleus;
-      cumulative += floor;
-    }
-    if (cumulative >= budget || bound == 0.0)                         // no later rank can join the nucleus
-      return std::max(kth, num_nucleus > 0 ? floor : p_max);          // an empty nucleus keeps the top token
+    const int64_t kept = end - begin;
+    bool all_in = true;
+    double nucleus_mass = 0.0;
+    const double floor = nucleus_floor(&*begin, kept, budget, s, &all_in, &nucleus_mass);
+    // complete when the first rank left out is known: a collected value is out, or the nucleus's mass
+    // reaches the budget (so the next rank, uncollected, cannot join), or every value was collected
+    if (floor < 0.0 || !all_in || nucleus_mass >= budget || bound == 0.0)
+      return std::max(kth, floor >= 0.0 ? floor : p_max);             // an empty nucleus keeps the top token
   }
 }
 
 // truncation.truncate: the truncated, renormalized distribution of one position into out[n].
 void truncate(const float* logits, int64_t n, const RowParams& r, Scratch& s, double* out) {
-  const Softmax sm = softmax(logits, n, is_greedy(r.temperature) ? 1.0 : static_cast<double>(r.temperature), out);
+  const double p_max = softmax(logits, n, is_greedy(r.temperature) ? 1.0 : static_cast<double>(r.temperature), out);
   const int64_t k = (r.top_k <= 0 || r.top_k >= n) ? n : r.top_k;
-  const double floor = (k < n || r.top_p < 1.0f) ? ranked_floor(out, n, k, r.top_p, sm.p_min, sm.p_max, s) : 0.0;
-  const double threshold = std::min(std::max(floor, static_cast<double>(r.min_p) * sm.p_max), sm.p_max);
+  const double floor = (k < n || r.top_p < 1.0f) ? ranked_floor(out, n, k, r.top_p, p_max, s) : 0.0;
+  const double threshold = std::min(std::max(floor, static_cast<double>(r.min_p) * p_max), p_max);
   double total = 0.0;
+#pragma omp simd reduction(+ : total)
   for (int64_t i = 0; i < n; ++i) {
-    if (!(out[i] >= threshold)) out[i] = 0.0;
+    out[i] = out[i] >= threshold ? out[i] : 0.0;
     total += out[i];
   }
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] /= total;
 }
 
@@ -218,7 +285,7 @@ struct SpecAttributes {
 // acceptance.relaxed_verdict at one position.
 bool relaxed(const float* logits, int64_t n, int64_t draft, const SpecAttributes& a, Scratch& s) {
   s.probs.resize(n);
-  const double p_top = softmax(logits, n, 1.0, s.probs.data()).p_max;
+  const double p_top = softmax(logits, n, 1.0, s.probs.data());
   int64_t num_above = 0;
   for (int64_t i = 0; i < n; ++i) num_above += logits[i] > logits[draft];
   return num_above < a.relaxed_top_n && s.probs[draft] >= p_top - static_cast<double>(a.relaxed_delta) &&
@@ -232,8 +299,10 @@ bool rejection(const double* target, const float* draft_q, int64_t n, int64_t dr
                Scratch& s, int64_t* recovered) {
   const bool from_q = draft_q[draft] > 0;
   double total = 0.0;
-  if (from_q)
+  if (from_q) {
+#pragma omp simd reduction(+ : total)
     for (int64_t i = 0; i < n; ++i) total += static_cast<double>(draft_q[i]);
+  }
   const auto q = [&](int64_t i) {
     return from_q ? static_cast<double>(draft_q[i]) / total : i == draft ? 1.0 : 0.0;
   };

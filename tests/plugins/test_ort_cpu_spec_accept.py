@@ -45,13 +45,16 @@ def spec_session(k: int) -> ort.InferenceSession:
 
 
 def case(seed: int, *, batch: int, k: int, vocab: int, sharpness: float = 3.0, grammar: bool = False,
-         flat_row: bool = False) -> dict[str, torch.Tensor]:
+         flat_row: bool = False, tied: bool = False) -> dict[str, torch.Tensor]:
     """A step's verdict inputs: drafts drawn from a draft distribution near the target's (so some are
-    accepted), mixed sampling parameters, some -1 slots, argmax (one-hot q) and sampled drafts."""
+    accepted), mixed sampling parameters, some -1 slots, argmax (one-hot q) and sampled drafts. `tied`:
+    logits on a coarse grid, so the nucleus boundary falls among many equal probabilities."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch, k + 1, vocab, generator=g) * sharpness
     if flat_row:                                         # a nucleus wider than the 256 candidates
         logits[0] = torch.randn(k + 1, vocab, generator=g) * 0.01
+    if tied:
+        logits = torch.round(logits)
     draft_logits = logits[:, :k] + torch.randn(batch, k, vocab, generator=g)
     q = torch.softmax(draft_logits, dim=-1)
     drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=g).reshape(batch, k) if k else \
@@ -96,12 +99,13 @@ def run_reference(feeds: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarra
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
-@pytest.mark.parametrize("vocab,grammar,flat_row", [(50, False, False), (300, False, True), (700, True, False),
-                                                    (2000, False, True)])
-def test_the_verdict_equals_the_reference(k: int, vocab: int, grammar: bool, flat_row: bool) -> None:
+@pytest.mark.parametrize("vocab,grammar,flat_row,tied", [(50, False, False, False), (300, False, True, False),
+                                                         (700, True, False, False), (2000, False, True, False),
+                                                         (1000, False, False, True)])
+def test_the_verdict_equals_the_reference(k: int, vocab: int, grammar: bool, flat_row: bool, tied: bool) -> None:
     accepted_any = False
     for seed in range(12):
-        feeds = case(seed, batch=6, k=k, vocab=vocab, grammar=grammar, flat_row=flat_row)
+        feeds = case(seed, batch=6, k=k, vocab=vocab, grammar=grammar, flat_row=flat_row, tied=tied)
         native, reference = run_native(feeds), run_reference(feeds)
         np.testing.assert_array_equal(native[0], reference[0], err_msg=f"num_accepted, seed {seed}")
         np.testing.assert_array_equal(native[1], reference[1], err_msg=f"next_tokens, seed {seed}")
@@ -125,13 +129,16 @@ def draft_session() -> ort.InferenceSession:
 
 
 @pytest.mark.parametrize("temperatures", [[0.0, 0.7, 1.3, 0.0, 0.9], [0.0] * 5, [0.7] * 5])
-@pytest.mark.parametrize("vocab,flat_row", [(500, False), (2000, True)])
-def test_the_sampled_draft_equals_the_reference(temperatures: list[float], vocab: int, flat_row: bool) -> None:
+@pytest.mark.parametrize("vocab,flat_row,tied", [(500, False, False), (2000, True, False), (1000, False, True)])
+def test_the_sampled_draft_equals_the_reference(temperatures: list[float], vocab: int, flat_row: bool,
+                                                tied: bool) -> None:
     g = torch.Generator().manual_seed(1)
     batch, positions = len(temperatures), 3
     logits = torch.randn(batch, positions, vocab, generator=g) * 3
     if flat_row:                                         # a nucleus wider than the 256 candidates
         logits[1] = torch.randn(positions, vocab, generator=g) * 0.01
+    if tied:                                             # many equal probabilities at the nucleus boundary
+        logits = torch.round(logits)
     logits[:, :, 400:450] = float("-inf")                # tokens outside a drafter's vocabulary
     argmax = logits.argmax(-1)
     params = {"temperature": torch.tensor(temperatures), "top_k": torch.tensor([0, 0, 40, 5, 0]),
