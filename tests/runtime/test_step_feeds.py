@@ -104,9 +104,9 @@ def test_feeds_equal_a_row_by_row_build_as_rows_join_leave_and_reorder() -> None
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_decode_commit_pairs_equal_the_general_commit_rule(k: int) -> None:
     rng = np.random.default_rng(k)
-    for batch in (1, 2, 5):
+    for batch in (1, 2, 5, 16):             # row by row up to FEW_ROWS, in numpy above
         cache = rng.integers(0, 30, batch)
-        table = rng.permutation(64)[:batch * 10].reshape(batch, 10)
+        table = rng.permutation(200)[:batch * 10].reshape(batch, 10)
         accepted = rng.integers(0, k + 1, batch)
         want = io.committed_slots(np.arange(batch + 1), accepted, cache, table, num_speculative_tokens=k,
                                   block_size=BS)
