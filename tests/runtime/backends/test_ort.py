@@ -69,7 +69,10 @@ def test_outputs_equal_a_plain_session_run_and_pools_stay_in_place(artifact) -> 
                                                        if s.name not in backend.pools]
 
 
-def test_commit_writes_each_row_at_its_slot_and_the_next_step_sees_it(artifact) -> None:
+@pytest.mark.parametrize("layout", ["scattered", "runs", "many"])
+def test_commit_writes_each_row_at_its_slot_and_the_next_step_sees_it(artifact, layout: str) -> None:
+    """Few pairs are written run by run (scattered: runs of one; runs: consecutive slots and rows across a
+    block boundary), many by fancy indexing: both must write exactly the commit rule."""
     manifest = Manifest.load(artifact.path)
     backend = OrtBackend(artifact.path, manifest, num_blocks=64)
     feeds = decode_feeds(manifest)
@@ -77,8 +80,13 @@ def test_commit_writes_each_row_at_its_slot_and_the_next_step_sees_it(artifact) 
     reader = decode_feeds(manifest, cache=2, seed=1)      # each row reads offsets 0, 1 of its first block
     before = backend.run(reader)[io.KV_DELTA].copy()
     bs, width = manifest.block_size, reader[io.BLOCK_TABLE].shape[1]
-    slots = np.array([0, width * bs + 1, 2 * width * bs, 64 * bs - 1])   # rows 0, 1, 2 read the first three
-    rows = np.array([0, 3, 2, 1])
+    slots = [0, width * bs + 1, 2 * width * bs, 64 * bs - 1]     # rows 0, 1, 2 read the first three
+    rows = [0, 3, 2, 1]
+    if layout == "runs":       # rows 4 .. 7 to the slots either side of block 1's start; rows 9, 12 side by side
+        slots, rows = [*slots, bs - 2, bs - 1, bs, bs + 1, bs + 4, bs + 5], [*rows, 4, 5, 6, 7, 9, 12]
+    if layout == "many":
+        slots, rows = [*slots, *range(3 * width * bs, 3 * width * bs + 40)], [*rows, *(i % 16 for i in range(40))]
+    slots, rows = np.array(slots), np.array(rows)
     backend.commit(first, slots, rows)
     for pool in manifest.pools:
         expected = np.zeros_like(backend.pools[pool.name])
