@@ -49,7 +49,6 @@ namespace {
 constexpr float kGreedyTemperature = 1e-5f;     // truncation.GREEDY_TEMPERATURE
 constexpr int64_t kNoiseTarget = 0, kNoiseResidual = 1;   // acceptance.NOISE_TARGET / NOISE_RESIDUAL
 constexpr size_t kSpecInputs = 10, kDraftInputs = 7;
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 bool is_greedy(float temperature) { return temperature < kGreedyTemperature; }
 
