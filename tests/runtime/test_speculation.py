@@ -124,6 +124,40 @@ def test_larger_batches_need_a_larger_gain_to_start_and_hopeless_speculation_is_
     assert kinds[:-1] == [ONLY] * (sp.FIRST_PROBE - 1) and kinds[-1] == SPEC       # probed
 
 
+def test_a_new_batch_is_decided_afresh_within_a_speculative_dwell() -> None:
+    """A speculative dwell started by the last rows of an earlier batch does not hold a batch that has not
+    decoded yet: its rows must clear the bar to start (batch margin), and rows that decode keep the dwell."""
+    policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
+    _measured(policy, 16, 2.5e-3, 1.0e-3, sampled=True)
+    policy.prior[True] = 2.0                                                # 3 tokens per 2.5x step: 1.2x
+    policy.current, policy._dwell = SPEC, sp.MIN_DWELL - 1                  # as a small batch's tail left it
+    decoding = _row(0.7, accepted=(2,) * 16)
+    decoding.generated = [7]
+    assert policy.choose([decoding] * 16) == SPEC                           # rows that decode: the dwell holds
+    assert policy._dwell == sp.MIN_DWELL - 2
+    fresh = [_row(0.7) for _ in range(16)]
+    assert policy.choose(fresh) == ONLY                                     # under the batch-16 bar (1.47x)
+
+
+def test_rows_near_their_end_are_not_recomputed_to_speculate() -> None:
+    """From target-only, rows with draft KV to recompute switch to speculation only with ENTER_GAP / 2 tokens
+    left to generate; rows without a gap are not held back."""
+    policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
+    _measured(policy, 4, 2.0e-3, 1.0e-3)
+    policy.prior[False], policy.current = 3.0, ONLY                         # 4 tokens per 2x step: 2x
+    rows = []
+    for _ in range(4):
+        row = _row(accepted=(3,) * 16)
+        row.max_new, row.generated = 64, [7] * 62                         # two tokens left
+        row.cache_len, row.draft_len = 100, 40                            # 60 tokens to recompute
+        rows.append(row)
+    assert policy.choose(rows) == ONLY
+    for row in rows:
+        row.generated = [7] * 20                                          # 44 tokens left
+    policy._dwell = 0
+    assert policy.choose(rows) == SPEC
+
+
 def test_rows_start_from_the_engine_wide_acceptance_of_their_kind() -> None:
     policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
     assert policy.expected_accepted(_row()) == 3.0                         # nothing seen: optimistic (K)
