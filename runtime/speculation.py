@@ -135,7 +135,7 @@ class SpeculationPolicy:
         if self._dwell > 0 and not fresh and not (self.current == TARGET_ONLY and _all_new(rows)):
             self._dwell -= 1
             return self.current
-        kind, reach = self._best(rows)
+        kind, reach = self._best(rows, fresh)
         probe = kind == self.current and self._since_probe >= self._probe_after and \
             (kind == SPECULATIVE or (_gap(rows) <= ENTER_GAP / 4 and reach >= PROBE_REACH))
         if probe:
@@ -149,9 +149,9 @@ class SpeculationPolicy:
             self._dwell = RECHECK - 1                # kept: looked at again in RECHECK steps
         return kind
 
-    def _best(self, rows: Sequence[SequenceState]) -> tuple[str, float]:
-        """The better kind of step for `rows`, and its expected gain over the bar it must clear (inf while
-        a kind is unmeasured)."""
+    def _best(self, rows: Sequence[SequenceState], fresh: bool) -> tuple[str, float]:
+        """The better kind of step for `rows` (`fresh`: none has decoded yet), and its expected gain over the bar
+        it must clear (inf while a kind is unmeasured)."""
         bucket, sampled = _bucket(len(rows)), _any_sampled(rows)
         spec_s, only_s = self._time(SPECULATIVE, bucket, sampled), self._time(TARGET_ONLY, bucket, sampled)
         if self.current == SPECULATIVE and (spec_s is None or only_s is None):
@@ -164,7 +164,7 @@ class SpeculationPolicy:
             return SPECULATIVE, math.inf                                  # nothing to borrow: explore
         gain = sum(1.0 + self.expected_accepted(r) for r in rows) / max(len(rows), 1) / ratio
         bar = 1.0 + STAY_MARGIN
-        if self.current == TARGET_ONLY or self._probing or not any(r.generated for r in rows):   # to start
+        if self.current == TARGET_ONLY or self._probing or fresh:                 # to start
             bar *= 1.0 + BATCH_MARGIN * math.log2(bucket)
         if self.current == TARGET_ONLY:
             gap = _gap(rows)
