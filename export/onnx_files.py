@@ -146,14 +146,15 @@ def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
     lazy reference (plugins/spec_accept/reference.py: no unpacking of an all-allowed bitmask, no relaxed
     verdict when no row is thinking), or, for float32 logits, it and SampleDraft run native kernels
     (export/ort_sampling.py). Attention that reads a float32 pool first becomes unispec's in-place
-    CPU kernel (export/ort_lowering.py), and RoPE and a few reshaping round trips are fused
-    (export/ort_fusions.py). The weights stay in the external files (referenced, not copied)."""
+    CPU kernel (export/ort_lowering.py), RoPE and a few reshaping round trips are fused
+    (export/ort_fusions.py), and the linear layers run unispec's packed GEMM (export/ort_linear.py). The
+    weights stay in the external files (referenced, not copied)."""
     import onnx
     import onnx_ir as ir
     import onnxscript.optimizer
 
     import plugins
-    from export import ort_fusions, ort_lowering, ort_sampling
+    from export import ort_fusions, ort_linear, ort_lowering, ort_sampling
 
     model = ir.load(out / source)
     ort_sampling.lower(model)
@@ -169,4 +170,5 @@ def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
         onnxscript.optimizer.optimize_ir(model)
     finally:
         quiet.setLevel(level)
+    ort_linear.lower(model)
     ir.save(model, out / name)

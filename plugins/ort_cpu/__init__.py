@@ -3,7 +3,7 @@
     library_path()  -> the shared library to pass to SessionOptions.register_custom_ops_library
 
 Ops: PagedAttentionPool / PagedAttentionPoolRows (paged_attention.cc), SpecAccept and SampleDraft
-(spec_accept.cc); register.cc adds them all to the domain. The sources (*.cc, kernel.h, ort_abi.h) ship with
+(spec_accept.cc), PackedLinear (matmul.cc); register.cc adds them all to the domain. The sources (*.cc, kernel.h, ort_abi.h) ship with
 the package; the library is built with the system's C++ compiler (`$CXX`, else c++/g++) into a cache folder
 keyed by the sources, the flags and this machine's CPU, so a changed source or another CPU builds anew and a
 concurrent build never leaves a half-written file.
@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 
 DOMAIN = "unispec.cpu"
-SOURCES = ("paged_attention.cc", "spec_accept.cc", "register.cc", "kernel.h", "ort_abi.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
+SOURCES = ("paged_attention.cc", "spec_accept.cc", "matmul.cc", "register.cc", "kernel.h", "ort_abi.h")
+FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 # glibc's vector math library: the sampling kernels' float64 exp, four lanes at a time on AVX2 (spec_accept.cc)
 VECTOR_MATH = ("-DUNISPEC_MVEC", "-lmvec") if sys.platform == "linux" and platform.machine() == "x86_64" else ()
 _HERE = Path(__file__).resolve().parent
@@ -58,13 +58,15 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def library_path() -> Path:
-    """The built library, compiling it first when this source/flags/CPU has no build yet."""
+def library_path(march: str = "native") -> Path:
+    """The built library, compiling it first when this source/flags/CPU has no build yet. `march` is the
+    compiler's -march: this machine's CPU, or (tests of the kernels' portable paths) an older one."""
     cxx = compiler()
+    flags = (*FLAGS, f"-march={march}")
     key = hashlib.sha256()
     for name in SOURCES:
         key.update((_HERE / name).read_bytes())
-    key.update(" ".join((cxx or "", *FLAGS, *VECTOR_MATH, platform.machine(), _cpu_model())).encode())
+    key.update(" ".join((cxx or "", *flags, *VECTOR_MATH, platform.machine(), _cpu_model())).encode())
     target = cache_dir() / "ort_cpu" / key.hexdigest()[:16] / "libunispec_ort_cpu.so"
     if target.is_file():
         return target
@@ -75,7 +77,7 @@ def library_path() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         units = [str(_HERE / name) for name in SOURCES if name.endswith(".cc")]
-        result = subprocess.run([cxx, *FLAGS, "-o", str(built), *units, *VECTOR_MATH],
+        result = subprocess.run([cxx, *flags, "-o", str(built), *units, *VECTOR_MATH],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"

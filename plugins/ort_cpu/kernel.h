@@ -92,5 +92,6 @@ inline OrtCustomOp cpu_op() {
 const OrtCustomOp* paged_attention_op(bool with_rows);   // paged_attention.cc
 const OrtCustomOp* spec_accept_op();                      // spec_accept.cc
 const OrtCustomOp* sample_draft_op();                     // spec_accept.cc
+const OrtCustomOp* packed_linear_op();                    // matmul.cc
 
 }  // namespace unispec_cpu

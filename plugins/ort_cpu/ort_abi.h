@@ -56,7 +56,7 @@ struct OrtCustomOp {
 
 namespace ort_abi {
 
-constexpr uint32_t kApiVersion = 16;        // the oldest table with everything below (ORT >= 1.16)
+constexpr uint32_t kApiVersion = 17;        // the oldest table with everything below (ORT >= 1.17)
 constexpr uint32_t kCustomOpVersion = 16;   // CreateKernelV2 / KernelComputeV2 report errors as statuses
 
 enum ElementType : int { kFloat = 1, kInt32 = 6, kInt64 = 7, kBool = 9 };
@@ -77,6 +77,9 @@ enum Slot : size_t {
   KernelContext_GetOutput = 91,
   ReleaseStatus = 93,                       // unused by the kernel; tests/plugins/test_ort_cpu.py calls it
   ReleaseTensorTypeAndShapeInfo = 99,
+  KernelInfoGetConstantInput_tensor = 249,
+  GetBuildInfoString = 254,                 // unused by the kernels; tests/plugins/test_ort_cpu.py calls it
+  KernelContext_ParallelFor = 274,
 };
 
 // The function in `slot` of the table, typed as F.

@@ -8,13 +8,13 @@ using namespace unispec_cpu;
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                               const OrtApiBase* base) {
   g_api = base->GetApi(kApiVersion);
-  if (g_api == nullptr) return nullptr;      // an ORT older than 1.16: nothing registered, the session says so
+  if (g_api == nullptr) return nullptr;      // an ORT older than 1.17: nothing registered, the session says so
   // The domain must outlive every session that uses it; ORT does not take it over, so it is never freed.
   OrtCustomOpDomain* domain = nullptr;
   RETURN_IF_ERROR(call<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(g_api, CreateCustomOpDomain)(
       "unispec.cpu", &domain));
   for (const OrtCustomOp* op : {paged_attention_op(false), paged_attention_op(true), spec_accept_op(),
-                                sample_draft_op()})
+                                sample_draft_op(), packed_linear_op()})
     RETURN_IF_ERROR(call<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(g_api, CustomOpDomain_Add)(domain, op));
   return call<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(g_api, AddCustomOpDomain)(options, domain);
 }

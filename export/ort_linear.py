@@ -1,0 +1,71 @@
+"""model.ort.onnx's linear layers on unispec's packed GEMM: every `Gemm(x, W, transB=1)` (nn.Linear as the
+exporter writes it: alpha 1, no bias input) and every `MatMul(x, W)` whose W is a float32 matrix initializer
+becomes `unispec.cpu::PackedLinear(x, W)` (plugins/ort_cpu/matmul.cc), with `trans_b` saying W's layout.
+
+Why: a decode or verify step multiplies a few rows by every weight, so at real sizes a step is a stream over
+the weights. ONNX Runtime's MLAS GEMM costs ~1.9x its one-row time at 8 rows (the 1.1B shape), where reading
+the weights once would allow ~1.2x; the packed kernel reads each weight once for up to 8 rows (0.55-0.58x
+MLAS's time at 8 rows, 0.85-0.95x at one, on par at a few hundred; tests/bench/packed_linear.py). The weight
+stays where it is (the external file, mapped by ONNX Runtime); the kernel packs it once per session.
+
+Batched MatMuls (a MoE's stacked experts, attention's products) are left to ONNX Runtime. model.onnx, which
+TensorRT builds, is never changed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from plugins import ort_cpu
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+
+def lower(model: ir.Model) -> int:
+    """Move every eligible Gemm / MatMul of the main graph to PackedLinear, in place. Returns how many moved.
+
+    Only the main graph: ONNX Runtime hands a kernel its initializer as a constant only where the
+    initializer is the graph's own, and the exported steps keep every linear layer there."""
+    import onnx_ir as ir
+
+    moved = 0
+    for node in list(model.graph):
+        trans_b = _layout(node)
+        if trans_b is None:
+            continue
+        linear = ir.node("PackedLinear", inputs=node.inputs[:2], domain=ort_cpu.DOMAIN, version=1,
+                         attributes={"trans_b": trans_b}, name=node.name, num_outputs=1)
+        model.graph.insert_after(node, linear)
+        old, new = node.outputs[0], linear.outputs[0]
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        model.graph.remove(node, safe=True)
+        new.name, new.shape, new.type = old.name, old.shape, old.type
+        moved += 1
+    if moved:
+        model.opset_imports[ort_cpu.DOMAIN] = 1
+    return moved
+
+
+def _layout(node: ir.Node) -> int | None:
+    """PackedLinear's trans_b for this node (1: W is [N, K], 0: [K, N]), or None when it stays as it is."""
+    import onnx_ir as ir
+
+    if node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[0] is None:
+        return None
+    x, weight = node.inputs[0], node.inputs[1]
+    if weight is None or not weight.is_initializer() or weight.graph is not node.graph:
+        return None
+    if x.dtype != ir.DataType.FLOAT or weight.dtype != ir.DataType.FLOAT or weight.shape is None:
+        return None
+    if len(weight.shape) != 2 or not all(isinstance(d, int) and d > 0 for d in weight.shape):
+        return None
+    if node.op_type == "MatMul":
+        return 0
+    if node.op_type != "Gemm" or (len(node.inputs) > 2 and node.inputs[2] is not None):
+        return None
+    attrs = node.attributes
+    if (attrs.get_int("transA", 0) != 0 or attrs.get_int("transB", 0) != 1
+            or attrs.get_float("alpha", 1.0) != 1.0 or x.shape is None or len(x.shape) != 2):
+        return None
+    return 1
