@@ -54,7 +54,9 @@ def _layout(node: ir.Node) -> int | None:
     if node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[0] is None:
         return None
     x, weight = node.inputs[0], node.inputs[1]
-    if weight is None or not weight.is_initializer() or weight.graph is not node.graph:
+    # an initializer that is also a graph input can be fed at run time: ONNX Runtime does not hand it to
+    # the kernel as a constant, so it stays with Gemm / MatMul
+    if weight is None or not weight.is_initializer() or weight.is_graph_input() or weight.graph is not node.graph:
         return None
     if x.dtype != ir.DataType.FLOAT or weight.dtype != ir.DataType.FLOAT or weight.shape is None:
         return None

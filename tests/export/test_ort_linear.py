@@ -1,6 +1,6 @@
 """export/ort_linear.py: model.ort.onnx's linear layers moved to unispec.cpu::PackedLinear. A graph with
 every kind of Gemm / MatMul the exporter writes, and look-alikes the packed kernel does not compute (a bias,
-alpha, a computed or batched weight, float16): exactly the eligible ones move, and the graph computes what
+alpha, a computed, batched or overridable weight, float16): exactly the eligible ones move, and the graph computes what
 it did before, graph outputs keeping their names."""
 
 from __future__ import annotations
@@ -38,13 +38,16 @@ def graph_with_every_linear() -> onnx.ModelProto:
         helper.make_node("Cast", ["x"], ["x16"], to=TensorProto.FLOAT16),
         helper.make_node("MatMul", ["x16", "w16"], ["half"]),                                # stays: float16
         helper.make_node("Relu", ["linear"], ["relu"]),
+        helper.make_node("MatMul", ["x", "w_fed"], ["fed"]),                                 # stays: also an input
     ]
     inits = [weight("w_nk", (N, K)), weight("w_kn", (K, N)), weight("bias", (N,)), weight("w_batched", (2, K, N)),
-             weight("w16", (K, N), np.float16)]
-    outputs = ["linear", "matmul", "matmul3", "biased", "plain_gemm", "scaled", "by_computed", "batched", "half", "relu"]
+             weight("w16", (K, N), np.float16), weight("w_fed", (K, N))]
+    outputs = ["linear", "matmul", "matmul3", "biased", "plain_gemm", "scaled", "by_computed", "batched", "half", "relu",
+               "fed"]
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["S", K])
     x3 = helper.make_tensor_value_info("x3", TensorProto.FLOAT, [2, "S", K])
-    graph = helper.make_graph(nodes, "g", [x, x3], [helper.make_tensor_value_info(o, TensorProto.FLOAT16 if o == "half" else TensorProto.FLOAT, None) for o in outputs], inits)
+    fed = helper.make_tensor_value_info("w_fed", TensorProto.FLOAT, [K, N])       # an overridable initializer
+    graph = helper.make_graph(nodes, "g", [x, x3, fed], [helper.make_tensor_value_info(o, TensorProto.FLOAT16 if o == "half" else TensorProto.FLOAT, None) for o in outputs], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)], ir_version=10)
 
 
@@ -62,7 +65,7 @@ def test_exactly_the_eligible_linears_move_and_compute_the_same() -> None:
     assert ort_linear.lower(model) == 3
     after = ir.to_proto(model)
     ops = Counter(n.op_type for n in after.graph.node)
-    assert ops["PackedLinear"] == 3 and ops["Gemm"] == 3 and ops["MatMul"] == 3
+    assert ops["PackedLinear"] == 3 and ops["Gemm"] == 3 and ops["MatMul"] == 4
     layouts = sorted(a.i for n in after.graph.node if n.op_type == "PackedLinear" for a in n.attribute)
     assert layouts == [0, 0, 1]
     assert [o.name for o in after.graph.output] == [o.name for o in before.graph.output]
