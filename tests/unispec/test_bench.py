@@ -147,8 +147,9 @@ def test_interleaved_passes_alternate_engines_and_speedups_are_per_repeat_median
     broken = Fake("broken", [1.0] * 4, fail_at=2)
     batches = [[[r]] for r in range(3)]
     rows = measure_interleaved([ours, theirs, broken], batches, 0.0, 4)
+    # warm-ups, then by repeat, each repeat's turn starting one engine later (a dropped engine loses its turns)
     assert calls == [("ours", 0), ("theirs", 0), ("broken", 0), ("ours", 0), ("theirs", 0), ("broken", 0),
-                     ("ours", 1), ("theirs", 1), ("ours", 2), ("theirs", 2)]      # warm-ups, then by repeat
+                     ("theirs", 1), ("ours", 1), ("ours", 2), ("theirs", 2)]
     assert rows[2].why == "RuntimeError: gave up" and not rows[2].passes
     assert all(p.cpu_s is not None and p.cpu_s >= 0 for p in rows[0].passes)
     bench._add_speedups(rows, paired=True)
