@@ -4,8 +4,8 @@ For every (batch size, temperature) cell, every engine gets the same prompt toke
 the artifact's tokenizer), the same number of new tokens and the same intra-op thread count; each runs
 one untimed warm-up pass, then `repeats` timed passes (pass r takes the prompts after pass r - 1's, cycling;
 16 by default, so batch 1 covers 16 prompts). Interleaved (the default), repeat r runs every engine in turn
-(starting one engine later each repeat) before repeat r + 1, and speedups are medians of per-repeat ratios; `--sequential` runs each engine's passes
-back to back and divides medians. The report keeps every pass and their medians:
+before repeat r + 1, each timed pass starting from flushed CPU caches, and speedups are medians of per-repeat
+ratios; `--sequential` runs each engine's passes back to back and divides medians. The report keeps every pass and their medians:
 
   unispec <method>          the artifact through runtime.LLM (ignore_eos, so every request makes max_tokens)
   unispec none              --baseline: the target-only artifact of the same target, same backend
@@ -158,19 +158,31 @@ def measure_interleaved(runners: Sequence[Runner], batches: list[list[list[int]]
                         max_tokens: int) -> list[Row]:
     """Every engine warms up, then repeat r runs batch r through every engine in turn, so each repeat's
     engines share the machine's state of that moment (a shared machine's load swings 2-30x between runs)
-    and per-repeat ratios cancel most of it. The turn order rotates by one engine per repeat, so every
-    engine runs right after every other equally often: the engine that runs after onnxruntime-genai finds
-    the caches cold, which cost it ~2% of a bundled batch-1 pass (measured: Llama 3 + DFlash under `auto`
-    against `none`, 0.968x when it always followed onnxruntime-genai, 0.988x when `none` did).
-    An engine that fails drops out with its reason."""
+    and per-repeat ratios cancel most of it. Before each timed pass the CPU caches are flushed
+    (flush_caches), so no engine inherits what the one before it left there: the engine that ran right after
+    onnxruntime-genai found the caches cold and paid ~2% of a bundled batch-1 pass for it (measured:
+    Llama 3 + DFlash under `auto` against `none`, 0.968x when it always followed onnxruntime-genai, 0.988x
+    when `none` did). An engine that fails drops out with its reason."""
     rows = [Row(r.name, len(batches[0]), temperature) for r in runners]
     live = [i for i, (row, runner) in enumerate(zip(rows, runners))
             if _timed(row, runner, batches[0], temperature, max_tokens, warm_up=True)]
-    for r, batch in enumerate(batches):
-        turn = [(r + j) % len(runners) for j in range(len(runners))]
-        failed = {i for i in turn if i in live and not _timed(rows[i], runners[i], batch, temperature, max_tokens)}
-        live = [i for i in live if i not in failed]
+    for batch in batches:
+        live = [i for i in live if flush_caches() and _timed(rows[i], runners[i], batch, temperature, max_tokens)]
     return rows
+
+
+FLUSH_BYTES = 128 << 20      # read before each interleaved pass: several times any last-level cache it runs on
+_flush_buffer: list[Any] = []
+
+
+def flush_caches() -> bool:
+    """Read FLUSH_BYTES of memory nobody else uses, evicting the caches' contents (not timed). True."""
+    import numpy as np
+
+    if not _flush_buffer:
+        _flush_buffer.append(np.ones(FLUSH_BYTES // 8, dtype=np.float64))
+    _flush_buffer[0].sum()
+    return True
 
 
 def _timed(row: Row, runner: Runner, batch: list[list[int]], temperature: float, max_tokens: int, *,

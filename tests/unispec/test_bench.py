@@ -124,7 +124,7 @@ def test_a_failing_peer_is_a_row_and_medians_are_per_figure() -> None:
     assert m["host_share"] == pytest.approx(1 / 3) and m["graph_ms_per_step"] == 250.0
 
 
-def test_interleaved_passes_alternate_engines_and_speedups_are_per_repeat_medians() -> None:
+def test_interleaved_passes_alternate_engines_and_speedups_are_per_repeat_medians(monkeypatch) -> None:
     calls: list[tuple[str, int]] = []
 
     class Fake:
@@ -146,17 +146,29 @@ def test_interleaved_passes_alternate_engines_and_speedups_are_per_repeat_median
     theirs = Fake("theirs", [2.0, 2.0, 20.0, 2.0])
     broken = Fake("broken", [1.0] * 4, fail_at=2)
     batches = [[[r]] for r in range(3)]
+    flushes = 0
+
+    def flush() -> bool:
+        nonlocal flushes
+        flushes += 1
+        return True
+
+    monkeypatch.setattr(bench, "flush_caches", flush)
     rows = measure_interleaved([ours, theirs, broken], batches, 0.0, 4)
-    # warm-ups, then by repeat, each repeat's turn starting one engine later (a dropped engine loses its turns)
     assert calls == [("ours", 0), ("theirs", 0), ("broken", 0), ("ours", 0), ("theirs", 0), ("broken", 0),
-                     ("theirs", 1), ("ours", 1), ("ours", 2), ("theirs", 2)]
+                     ("ours", 1), ("theirs", 1), ("ours", 2), ("theirs", 2)]      # warm-ups, then by repeat
     assert rows[2].why == "RuntimeError: gave up" and not rows[2].passes
+    assert flushes == 7                                    # before every timed pass, the failing one's too
     assert all(p.cpu_s is not None and p.cpu_s >= 0 for p in rows[0].passes)
     bench._add_speedups(rows, paired=True)
     assert rows[1].speedup == pytest.approx(2.0) and rows[0].speedup == 1.0 and rows[2].speedup is None
     rows[1].passes[1] = Pass(wall_s=200.0, tokens=10)                 # a repeat where only the peer was hit
     bench._add_speedups(rows, paired=True)
     assert rows[1].speedup == pytest.approx(2.0)                      # the median of (2, 20, 2) ignores it
+
+
+def test_the_cache_flush_reads_a_buffer_larger_than_a_last_level_cache() -> None:
+    assert bench.flush_caches() is True and bench._flush_buffer[0].nbytes == bench.FLUSH_BYTES >= 128 << 20
 
 
 def test_generated_tokens_are_counted_up_to_the_first_eos() -> None:
