@@ -85,8 +85,10 @@ def test_pinned_buffers_are_page_locked_host_memory() -> None:
     lib = cuda_runtime()
 
     class Attributes(ctypes.Structure):
+        # cudaPointerAttributes; recent CUDA runtimes append reserved words the call also writes (without
+        # them here it wrote past this struct and the process crashed later, on an H100 with CUDA 13)
         _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("device_pointer", ctypes.c_void_p),
-                    ("host_pointer", ctypes.c_void_p)]
+                    ("host_pointer", ctypes.c_void_p), ("reserved", ctypes.c_long * 32)]
 
     attributes = Attributes()
     assert lib.cudaPointerGetAttributes(ctypes.byref(attributes), ctypes.c_void_p(buffers.address("noise"))) == 0
