@@ -1,11 +1,13 @@
 """model.ort.onnx's linear layers on unispec's packed GEMM: every `Gemm(x, W, transB=1)` (nn.Linear as the
 exporter writes it: alpha 1, no bias input) and every `MatMul(x, W)` whose W is a float32 matrix initializer
-becomes `unispec.cpu::PackedLinear(x, W)` (plugins/ort_cpu/matmul.cc), with `trans_b` saying W's layout.
+(of the main graph, and not also a graph input) becomes `unispec.cpu::PackedLinear(x, W)`
+(plugins/ort_cpu/matmul.cc), with `trans_b` saying W's layout.
 
 Why: a decode or verify step multiplies a few rows by every weight, so at real sizes a step is a stream over
 the weights. ONNX Runtime's MLAS GEMM costs ~1.9x its one-row time at 8 rows (the 1.1B shape), where reading
-the weights once would allow ~1.2x; the packed kernel reads each weight once for up to 8 rows (0.55-0.58x
-MLAS's time at 8 rows, 0.85-0.95x at one, on par at a few hundred; tests/bench/packed_linear.py). The weight
+the weights once would allow ~1.2x; the packed kernel reads each weight once for up to 8 rows (0.55-0.62x
+MLAS's time at 8 rows for weights of 4 MB and more, 0.72-0.93x at one, on par at a few hundred;
+tests/bench/packed_linear.py, docs/bench/runs/packed-linear/). The weight
 stays where it is (the external file, mapped by ONNX Runtime); the kernel packs it once per session.
 
 Batched MatMuls (a MoE's stacked experts, attention's products) are left to ONNX Runtime. model.onnx, which
@@ -25,8 +27,9 @@ if TYPE_CHECKING:
 def lower(model: ir.Model) -> int:
     """Move every eligible Gemm / MatMul of the main graph to PackedLinear, in place. Returns how many moved.
 
-    Only the main graph: ONNX Runtime hands a kernel its initializer as a constant only where the
-    initializer is the graph's own, and the exported steps keep every linear layer there."""
+    Only the main graph, where the exported steps keep every linear layer: PackedLinear needs its weight
+    handed over as a constant at kernel creation, which is not established for a node inside a subgraph
+    reading an outer graph's initializer."""
     import onnx_ir as ir
 
     moved = 0
