@@ -151,18 +151,18 @@ void rows_by_block(const float* x, int64_t rows, int64_t ldx, const float* panel
 }
 
 #if defined(__AVX512F__)
-// A few rows against NP panels at once, all NP of them full: with 1 to 4 rows a one-panel tile has 2 to 8
-// accumulators, too few to hide the FMA latency, so it runs at a fraction of the core's rate on a weight that
-// sits in cache (the bundled models' ~0.1 MB projections); NP panels give it 12 to 16.
+// A few rows against NP panels at once, all NP of them full, over all of k (few rows are never k-blocked):
+// with 1 to 4 rows a one-panel tile has 2 to 8 accumulators, too few to hide the FMA latency, so it runs at
+// a fraction of the core's rate on a weight that sits in cache (the bundled models' ~0.1 MB projections);
+// NP panels give it 12 to 16.
 template <int MR, int NP>
-void tile_wide(const float* x, int64_t ldx, const float* panel, int64_t stride, int64_t kc, float* y, int64_t ldy,
-               bool first) {
+void tile_wide(const float* x, int64_t k_len, const float* panel, float* y, int64_t ldy) {
+  const int64_t stride = k_len * kPanel;       // one panel to the next
   __m512 acc[MR][NP][2];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
-      for (int h = 0; h < 2; ++h)
-        acc[i][p][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * ldy + p * kPanel + 16 * h);
-  for (int64_t k = 0; k < kc; ++k) {
+      for (int h = 0; h < 2; ++h) acc[i][p][h] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_len; ++k) {
     __m512 b[NP][2];
     for (int p = 0; p < NP; ++p) {
       const float* row = panel + p * stride + k * kPanel;
@@ -172,7 +172,7 @@ void tile_wide(const float* x, int64_t ldx, const float* panel, int64_t stride, 
       b[p][1] = _mm512_load_ps(row + 16);
     }
     for (int i = 0; i < MR; ++i) {
-      const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
+      const __m512 a = _mm512_set1_ps(x[i * k_len + k]);
       for (int p = 0; p < NP; ++p) {
         acc[i][p][0] = _mm512_fmadd_ps(a, b[p][0], acc[i][p][0]);
         acc[i][p][1] = _mm512_fmadd_ps(a, b[p][1], acc[i][p][1]);
@@ -213,13 +213,12 @@ void run_task(void* data, size_t task) {
     const float* panel = w.data + p * w.k * kPanel;
 #if defined(__AVX512F__)
     if (wide > 1 && p + wide <= last_panel && (p + wide) * kPanel <= w.n) {
-      const int64_t stride = w.k * kPanel;
       float* y = job.y + p * kPanel;
       switch (job.rows) {
-        case 1: tile_wide<1, 8>(job.x, w.k, panel, stride, w.k, y, w.n, true); break;
-        case 2: tile_wide<2, 4>(job.x, w.k, panel, stride, w.k, y, w.n, true); break;
-        case 3: tile_wide<3, 2>(job.x, w.k, panel, stride, w.k, y, w.n, true); break;
-        default: tile_wide<4, 2>(job.x, w.k, panel, stride, w.k, y, w.n, true); break;
+        case 1: tile_wide<1, 8>(job.x, w.k, panel, y, w.n); break;
+        case 2: tile_wide<2, 4>(job.x, w.k, panel, y, w.n); break;
+        case 3: tile_wide<3, 2>(job.x, w.k, panel, y, w.n); break;
+        default: tile_wide<4, 2>(job.x, w.k, panel, y, w.n); break;
       }
       p += wide;
       continue;
