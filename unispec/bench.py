@@ -5,7 +5,8 @@ the artifact's tokenizer), the same number of new tokens and the same intra-op t
 one untimed warm-up pass, then `repeats` timed passes (pass r takes the prompts after pass r - 1's, cycling;
 16 by default, so batch 1 covers 16 prompts). Interleaved (the default), repeat r runs every engine in turn
 before repeat r + 1, each timed pass starting from flushed CPU caches, and speedups are medians of per-repeat
-ratios; `--sequential` runs each engine's passes back to back and divides medians. The report keeps every pass and their medians:
+ratios; `--sequential` runs each engine's passes back to back and divides medians. The report keeps every
+pass and their medians:
 
   unispec <method>          the artifact through runtime.LLM (ignore_eos, so every request makes max_tokens)
   unispec none              --baseline: the target-only artifact of the same target, same backend
@@ -35,6 +36,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -167,22 +169,29 @@ def measure_interleaved(runners: Sequence[Runner], batches: list[list[list[int]]
     live = [i for i, (row, runner) in enumerate(zip(rows, runners))
             if _timed(row, runner, batches[0], temperature, max_tokens, warm_up=True)]
     for batch in batches:
-        live = [i for i in live if flush_caches() and _timed(rows[i], runners[i], batch, temperature, max_tokens)]
+        still = []
+        for i in live:
+            flush_caches()
+            if _timed(rows[i], runners[i], batch, temperature, max_tokens):
+                still.append(i)
+        live = still
     return rows
 
 
 FLUSH_BYTES = 128 << 20      # read before each interleaved pass: several times any last-level cache it runs on
-_flush_buffer: list[Any] = []
 
 
-def flush_caches() -> bool:
-    """Read FLUSH_BYTES of memory nobody else uses, evicting the caches' contents (not timed). True."""
+def flush_caches() -> None:
+    """Read FLUSH_BYTES of memory nobody else uses, evicting the caches' contents (not timed)."""
+    flush_buffer().sum()
+
+
+@cache
+def flush_buffer() -> Any:
+    """The FLUSH_BYTES that flush_caches reads, allocated on first use."""
     import numpy as np
 
-    if not _flush_buffer:
-        _flush_buffer.append(np.ones(FLUSH_BYTES // 8, dtype=np.float64))
-    _flush_buffer[0].sum()
-    return True
+    return np.ones(FLUSH_BYTES // 8, dtype=np.float64)
 
 
 def _timed(row: Row, runner: Runner, batch: list[list[int]], temperature: float, max_tokens: int, *,

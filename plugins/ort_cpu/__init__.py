@@ -3,10 +3,10 @@
     library_path()  -> the shared library to pass to SessionOptions.register_custom_ops_library
 
 Ops: PagedAttentionPool / PagedAttentionPoolRows (paged_attention.cc), SpecAccept and SampleDraft
-(spec_accept.cc), PackedLinear (matmul.cc); register.cc adds them all to the domain. The sources (*.cc, kernel.h, ort_abi.h) ship with
-the package; the library is built with the system's C++ compiler (`$CXX`, else c++/g++) into a cache folder
-keyed by the sources, the flags and this machine's CPU, so a changed source or another CPU builds anew and a
-concurrent build never leaves a half-written file.
+(spec_accept.cc), PackedLinear (matmul.cc); register.cc adds them all to the domain. The sources (*.cc,
+kernel.h, ort_abi.h) ship with the package; the library is built with the system's C++ compiler (`$CXX`,
+else c++/g++) into a cache folder keyed by the sources, the flags and this machine's CPU, so a changed
+source or another CPU builds anew and a concurrent build never leaves a half-written file.
 `make install` builds it once; ONNX Runtime itself is not needed to compile (see ort_abi.h).
 """
 
