@@ -14,6 +14,9 @@ does no arithmetic worth its dispatch costs time; at real sizes they are a few p
 - **Residual add + RMSNormalization** -> com.microsoft `SkipSimplifiedLayerNormalization`, whose fourth output
   is the sum (float32, norm over the last axis, a [hidden] scale).
 - **Unsqueeze after / Squeeze before a Reshape to a constant shape** fold into the Reshape.
+- **Stack then flatten** (an Eagle3 or DFlash head's fc reads the captured target layers `stack(taps, 1)`
+  viewed as [S, C·H]): Unsqueeze(tap, 1) of each [S, H] tap, Concat on axis 1, Reshape to [S, C·H] is one
+  Concat of the taps on their last axis, which lays each row out the same way (2 to 5 taps).
 - **Concat then Split back** (a layer's K and V are concatenated into its KV delta row, and the attention's
   inputs split out of that again): a Split whose parts are exactly a Concat's inputs is dropped, its outputs
   replaced by those inputs.
@@ -151,6 +154,55 @@ def _concatenated(value: ir.Value) -> tuple[tuple[ir.Value, ir.Value], int] | No
     return (a, b), axis
 
 
+class _StackThenFlatten(pattern.RewriteRuleClassBase):
+    """Reshape(Concat(Unsqueeze(t_i, 1)..., axis=1), [S, C*H]) of C taps [S, H] -> Concat(t_i..., axis=-1).
+    The subclasses fix C (a pattern has a fixed number of inputs)."""
+
+    def check(self, context: Any, axes: ir.Value, shape: ir.Value, **taps: ir.Value) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        values = [taps[name] for name in sorted(taps)]
+        first = values[0].shape
+        if first is None or len(first) != 2 or not isinstance(first[1], int):
+            return result.fail("taps are not [S, H] with a static H")
+        if any(v.shape is None or list(v.shape) != list(first) or v.dtype != values[0].dtype for v in values):
+            return result.fail("taps differ in shape or type")
+        if not is_singleton_value(axes, lambda a: a in (1, -2)):
+            return result.fail("not unsqueezed at axis 1")
+        wanted = get_numpy_value(shape)
+        if wanted is None or wanted.size != 2 or int(wanted[1]) != len(values) * first[1] \
+                or int(wanted[0]) not in (-1, 0, *([first[0]] if isinstance(first[0], int) else [])):
+            return result.fail("not flattened to [S, C*H]")
+        return result
+
+    def rewrite(self, op: Any, axes: ir.Value, shape: ir.Value, **taps: ir.Value) -> Any:
+        return op.Concat(*(taps[name] for name in sorted(taps)), axis=-1)
+
+
+class _StackThenFlatten2(_StackThenFlatten):
+    def pattern(self, op: Any, t0: Any, t1: Any, axes: Any, shape: Any) -> Any:
+        return op.Reshape(op.Concat(op.Unsqueeze(t0, axes), op.Unsqueeze(t1, axes), axis=1), shape,
+                          _allow_other_attributes=True)
+
+
+class _StackThenFlatten3(_StackThenFlatten):
+    def pattern(self, op: Any, t0: Any, t1: Any, t2: Any, axes: Any, shape: Any) -> Any:
+        return op.Reshape(op.Concat(op.Unsqueeze(t0, axes), op.Unsqueeze(t1, axes), op.Unsqueeze(t2, axes), axis=1),
+                          shape, _allow_other_attributes=True)
+
+
+class _StackThenFlatten4(_StackThenFlatten):
+    def pattern(self, op: Any, t0: Any, t1: Any, t2: Any, t3: Any, axes: Any, shape: Any) -> Any:
+        return op.Reshape(op.Concat(op.Unsqueeze(t0, axes), op.Unsqueeze(t1, axes), op.Unsqueeze(t2, axes),
+                                    op.Unsqueeze(t3, axes), axis=1), shape, _allow_other_attributes=True)
+
+
+class _StackThenFlatten5(_StackThenFlatten):
+    def pattern(self, op: Any, t0: Any, t1: Any, t2: Any, t3: Any, t4: Any, axes: Any, shape: Any) -> Any:
+        return op.Reshape(op.Concat(op.Unsqueeze(t0, axes), op.Unsqueeze(t1, axes), op.Unsqueeze(t2, axes),
+                                    op.Unsqueeze(t3, axes), op.Unsqueeze(t4, axes), axis=1),
+                          shape, _allow_other_attributes=True)
+
+
 class _ReshapeThenUnsqueeze(pattern.RewriteRuleClassBase):
     """Unsqueeze(Reshape(x, shape), axes) -> Reshape(x, shape with 1s inserted at axes), shape a constant."""
 
@@ -228,19 +280,22 @@ class _SkipRmsNorm(pattern.RewriteRuleClassBase):
 
 
 RULES = pattern.RewriteRuleSet([_RotateHalfRope.rule(), _ConcatThenSplit.rule(), _ReshapeThenUnsqueeze.rule(),
-                                _SqueezeThenReshape.rule(), _SkipRmsNorm.rule()])
+                                _SqueezeThenReshape.rule(), _SkipRmsNorm.rule(),
+                                *(flatten.rule() for flatten in (_StackThenFlatten2, _StackThenFlatten3,
+                                                                 _StackThenFlatten4, _StackThenFlatten5))])
 
 
 def fuse(model: ir.Model) -> dict[str, int]:
-    """Apply the rules in place; how many RoPEs and residual norms were fused and Splits dropped (the
-    Identity nodes the rules
-    leave are removed by onnxscript's optimizer, which write_ort_graph runs next)."""
+    """Apply the rules in place; how many RoPEs, stacked taps and residual norms were fused and Splits dropped
+    (the Identity nodes the rules leave are removed by onnxscript's optimizer, which write_ort_graph runs next)."""
     from onnxscript.rewriter import rewrite
 
     before = _counts(model)
     rewrite(model, RULES)
     after = _counts(model)
+    # only the stack rule removes Reshapes (the other rules that touch one put one back)
     return {"rope": after.get("RotaryEmbedding", 0) - before.get("RotaryEmbedding", 0),
+            "stack": before.get("Reshape", 0) - after.get("Reshape", 0),
             "split": before.get("Split", 0) - after.get("Split", 0),
             "skip_norm": after.get("SkipSimplifiedLayerNormalization", 0)
             - before.get("SkipSimplifiedLayerNormalization", 0)}

@@ -119,14 +119,14 @@ class SequentialStep(UnifiedStep):
         carry, head_in, draft_rows = drafter(batch, cache)
         cache = drafter.extend_cache(cache, draft_rows, rows_m, m.positions)
         carry, head_in = carry[last], head_in[last]                                     # [B, F], [B, Hd]
-        drafts = [spec.propose(drafter, head_in[:, None], f, 0, self.vocab_size)]        # ([B, 1], [B, 1, V])
+        drafts = [spec.propose(drafter, head_in, f, 0, self.vocab_size)]                 # ([B, 1], [B, 1, V])
         one_each = torch.arange(last.shape[0] + 1, device=last.device)                  # [B+1]
         for s in range(1, k):
             position = committed + (s - 1)                                              # [B]
             batch = DraftBatch(drafts[-1][0][:, 0], carry, position, one_each, position, committed)
             carry, head_in, rows = drafter(batch, cache)
             cache = drafter.extend_cache(cache, rows, one_each[:-1], position)
-            drafts.append(spec.propose(drafter, head_in[:, None], f, s, self.vocab_size))
+            drafts.append(spec.propose(drafter, head_in, f, s, self.vocab_size))
         tokens, probs = (torch.cat(parts, dim=1) for parts in zip(*drafts))            # [B, K], [B, K, V]
         return (verdict.num_accepted, verdict.next_tokens, tokens, probs, *target_deltas, *draft_rows)
 

@@ -59,15 +59,19 @@ def propose(drafter: nn.Module, head_in: torch.Tensor, f: Mapping[str, torch.Ten
             vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafts of P positions per row and the distributions they were drawn from.
 
-    head_in [B, P, Hd] -> (tokens [B, P] int64, q [B, P, V] float32). Greedy rows keep the drafter's
+    head_in [B, P, Hd], or [B, Hd] for one position (sequential drafters: no reshapes around the head)
+    -> (tokens [B, P] int64, q [B, P, V] float32). Greedy rows keep the drafter's
     argmax; sampled rows draw from the drafter's distribution, tempered and truncated with the request's
     parameters, with noise[:, first + j, NOISE_DRAFT] at position j (acceptance.sample_draft says why), so
     the next step verifies them by rejection sampling. One SampleDraft node (acceptance.choose_drafts): its
     function skips the sampling in an all-greedy step (ONNX Ifs, never nested); ONNX Runtime runs a native
     kernel.
     """
-    batch, num_positions = head_in.shape[:2]
-    logits = drafter.logits(head_in.flatten(0, 1)).unflatten(0, (batch, num_positions))   # [B, P, Vd]
+    if head_in.dim() == 2:
+        logits = drafter.logits(head_in)[:, None]                                           # [B, 1, Vd]
+    else:
+        logits = drafter.logits(head_in.flatten(0, 1)).unflatten(0, head_in.shape[:2])      # [B, P, Vd]
+    num_positions = logits.shape[1]
     argmax = drafter.target_ids(logits.argmax(dim=-1))                                      # [B, P]
     logits = drafter.target_vocab_logits(logits, vocab_size).float()                        # [B, P, V]
     uniform = f[io.NOISE][:, first:first + num_positions, acceptance.NOISE_DRAFT]           # [B, P]

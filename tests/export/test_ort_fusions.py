@@ -146,3 +146,38 @@ def test_a_residual_add_and_norm_become_one_skip_norm(tmp_path: Path) -> None:
     got = run(model, tmp_path / "after.onnx", {"x": x.numpy(), "y": y.numpy()})
     for g_, w in zip(got, Residual()(x, y)):
         np.testing.assert_allclose(g_, w.detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+class Taps(torch.nn.Module):
+    """An Eagle3 / DFlash fc input: C captured [S, H] taps stacked on axis 1 and flattened to [S, C·H];
+    `axis` 2 interleaves them instead (a look-alike whose rows are laid out differently)."""
+
+    def __init__(self, axis: int = 1) -> None:
+        super().__init__()
+        self.axis = axis
+
+    def forward(self, t0: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor | None = None,
+                t3: torch.Tensor | None = None, t4: torch.Tensor | None = None) -> torch.Tensor:
+        taps = [t for t in (t0, t1, t2, t3, t4) if t is not None]
+        return torch.stack([t * (i + 1) for i, t in enumerate(taps)], dim=self.axis).flatten(1)
+
+
+@pytest.mark.parametrize("count", [2, 3, 5])
+def test_stacked_taps_become_one_concat(tmp_path: Path, count: int) -> None:
+    g = torch.Generator().manual_seed(count)
+    taps = tuple(torch.randn(4, HEADS * DIM, generator=g) for _ in range(count))
+    names = [f"t{i}" for i in range(count)]
+    model = export(Taps(), taps, names, tmp_path / "taps.onnx")
+    assert ops(model)["Unsqueeze"] == count and ops(model)["Reshape"] == 1
+    assert fuse_then_optimize(model)["stack"] == 1
+    assert ops(model)["Unsqueeze"] == 0 and ops(model)["Reshape"] == 0 and ops(model)["Concat"] == 1
+    (got,) = run(model, tmp_path / "after.onnx", {n: t.numpy() for n, t in zip(names, taps)})
+    np.testing.assert_array_equal(got, Taps()(*taps).numpy())
+
+
+def test_taps_stacked_on_another_axis_keep_their_nodes(tmp_path: Path) -> None:
+    taps = two_inputs(3, rows=4)
+    model = export(Taps(axis=2), taps, ["a", "b"], tmp_path / "taps.onnx")
+    before = ops(model)
+    assert ort_fusions.fuse(model)["stack"] == 0
+    assert ops(model) == before
