@@ -55,7 +55,7 @@ lint: install
 demo: install
 	$(UNISPEC) demo
 
-# Retrains the bundled models under models/ from this machine's Python stdlib (CPU, about 50 minutes);
+# Retrains the bundled models under models/ from this machine's Python stdlib (CPU, about an hour);
 # a model whose recipe, corpus and target are unchanged is kept. MODELS="llama3 llama3-dflash" limits it.
 MODELS ?=
 models: install

@@ -49,6 +49,7 @@ def test_each_draft_is_distilled_and_reports_acceptance_per_position(spec) -> No
     assert info["recipe"]["distill"] == pipeline.distill().recipe()
     assert info["recipe"]["sampled_data"] == pipeline.SAMPLED_DATA
     assert info["recipe"]["schedule"] == spec.schedule.recipe()
+    assert info["recipe"]["data"][0] == spec.sequences
     for key in ("held_out_top1_by_position", "held_out_acceptance_t07_by_position"):
         values = info["figures"][key]
         assert len(values) == spec.k and all(0 < v <= 1 for v in values), (key, values)
