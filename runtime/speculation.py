@@ -55,8 +55,12 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
 
 Batches: rows that speculate finish unevenly (a request's acceptance varies ~3x), so a batch's last rows
 decode on in small, less efficient steps, which no single step's costs show; the bar is therefore
-(1 + STAY_MARGIN)(1 + BATCH_MARGIN log2 B) to start speculating (from target-only, or over rows that
-have not decoded yet). Measured, speculating every step on the bundled Llama 3 + Eagle3, greedy: the
+(1 + START_MARGIN)(1 + BATCH_MARGIN log2 B) to start speculating (from target-only, or over rows that
+have not decoded yet). START_MARGIN is above STAY_MARGIN because a request that starts speculating and
+leaves it half-way did worse than with either graph throughout (its prefill ran the drafter too): on a machine where DeepSeek-V3 + Eagle3's speculative step
+had become dearer (2.5x a target-only step instead of 2.2x) with a decode-step gain near 1.05x at batch 1,
+T 0.7, requests that started speculating and left after their dwell ran at 0.75-0.92x of target-only,
+those that speculated throughout at 1.03-1.07x, and the cell at 0.93x. Measured, speculating every step on the bundled Llama 3 + Eagle3, greedy: the
 decode-step model expected 1.53x / 1.25x / 1.26x at batch 1 / 4 / 16, and the runs gave 1.38x / 1.00x /
 0.88x. Once rows speculate, they keep on while the gain clears 1 + STAY_MARGIN alone: leaving half-way
 was worse than either graph throughout (same pair, batch 4: repeats that switched to target-only midway
@@ -86,6 +90,7 @@ SPECULATIVE, TARGET_ONLY = "speculative", "target-only"     # the two kinds of s
 PRIOR_WINDOW = 512         # verified row-steps the engine-wide acceptance is the mean of
 TIME_WINDOW = 16           # decode steps a step-time estimate is the lower quartile of
 STAY_MARGIN = 0.05         # relative gain above 1 that keeps speculating (batch 1)
+START_MARGIN = 0.12        # ... and that starts it (batch 1; larger batches scale it, see the module's note)
 ENTER_MARGIN = 0.25        # ... and at most this much more to resume it: a recompute and a step without drafts
 ENTER_GAP = 64             # tokens to recompute per row at which resuming needs all of ENTER_MARGIN
 MIN_DWELL = 16             # steps a decision holds (probes: half that for speculation, a quarter otherwise)
@@ -165,7 +170,7 @@ class SpeculationPolicy:
         gain = sum(1.0 + self.expected_accepted(r) for r in rows) / max(len(rows), 1) / ratio
         bar = 1.0 + STAY_MARGIN
         if self.current == TARGET_ONLY or self._probing or fresh:                 # to start
-            bar *= 1.0 + BATCH_MARGIN * math.log2(bucket)
+            bar = (1.0 + START_MARGIN) * (1.0 + BATCH_MARGIN * math.log2(bucket))
         if self.current == TARGET_ONLY:
             gap = _gap(rows)
             if gap > 0 and _remaining(rows) < ENTER_GAP / 2:

@@ -124,6 +124,23 @@ def test_larger_batches_need_a_larger_gain_to_start_and_hopeless_speculation_is_
     assert kinds[:-1] == [ONLY] * (sp.FIRST_PROBE - 1) and kinds[-1] == SPEC       # probed
 
 
+def test_a_marginal_gain_keeps_speculation_going_but_does_not_start_it() -> None:
+    """Between the bar to stay (1 + STAY_MARGIN) and the higher bar to start (1 + START_MARGIN): rows that
+    speculate keep on, a new request and target-only rows do not start."""
+    policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
+    _measured(policy, 1, 2.5e-3, 1.0e-3, sampled=True)
+    policy.prior[True] = 1.75                                               # 2.75 tokens per 2.5x step: 1.1x
+    assert 1 + sp.STAY_MARGIN < 1.1 < 1 + sp.START_MARGIN
+    decoding = _row(0.7, accepted=(2, 2, 2, 1) * 4)                         # its own mean: 1.75 too
+    decoding.generated = [7]
+    policy.current, policy._dwell = SPEC, 0
+    assert policy.choose([decoding]) == SPEC                                # speculating: kept
+    policy._dwell = 0
+    assert policy.choose([_row(0.7)]) == ONLY                               # a new request: not started
+    policy.current, policy._dwell = ONLY, 0
+    assert policy.choose([decoding]) == ONLY                                # target-only: not resumed
+
+
 def test_a_new_batch_is_decided_afresh_within_a_speculative_dwell() -> None:
     """A speculative dwell started by the last rows of an earlier batch does not hold a batch that has not
     decoded yet: its rows must clear the bar to start (batch margin), and rows that decode keep the dwell."""
