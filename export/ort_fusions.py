@@ -186,8 +186,8 @@ class _StackThenFlatten2(_StackThenFlatten):
 
 class _StackThenFlatten3(_StackThenFlatten):
     def pattern(self, op: Any, t0: Any, t1: Any, t2: Any, axes: Any, shape: Any) -> Any:
-        return op.Reshape(op.Concat(op.Unsqueeze(t0, axes), op.Unsqueeze(t1, axes), op.Unsqueeze(t2, axes), axis=1),
-                          shape, _allow_other_attributes=True)
+        return op.Reshape(op.Concat(op.Unsqueeze(t0, axes), op.Unsqueeze(t1, axes), op.Unsqueeze(t2, axes),
+                                    axis=1), shape, _allow_other_attributes=True)
 
 
 class _StackThenFlatten4(_StackThenFlatten):
@@ -286,8 +286,9 @@ RULES = pattern.RewriteRuleSet([_RotateHalfRope.rule(), _ConcatThenSplit.rule(),
 
 
 def fuse(model: ir.Model) -> dict[str, int]:
-    """Apply the rules in place; how many RoPEs, stacked taps and residual norms were fused and Splits dropped
-    (the Identity nodes the rules leave are removed by onnxscript's optimizer, which write_ort_graph runs next)."""
+    """Apply the rules in place; how many RoPEs, stacked taps and residual norms were fused and Splits
+    dropped (the Identity nodes the rules leave are removed by onnxscript's optimizer, which write_ort_graph
+    runs next)."""
     from onnxscript.rewriter import rewrite
 
     before = _counts(model)

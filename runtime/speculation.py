@@ -57,10 +57,11 @@ Batches: rows that speculate finish unevenly (a request's acceptance varies ~3x)
 decode on in small, less efficient steps, which no single step's costs show; the bar is therefore
 (1 + START_MARGIN)(1 + BATCH_MARGIN log2 B) to start speculating (from target-only, or over rows that
 have not decoded yet). START_MARGIN is above STAY_MARGIN because a request that starts speculating and
-leaves it half-way did worse than with either graph throughout (its prefill ran the drafter too): on a machine where DeepSeek-V3 + Eagle3's speculative step
-had become dearer (2.5x a target-only step instead of 2.2x) with a decode-step gain near 1.05x at batch 1,
-T 0.7, requests that started speculating and left after their dwell ran at 0.75-0.92x of target-only,
-those that speculated throughout at 1.03-1.07x, and the cell at 0.93x. Measured, speculating every step on the bundled Llama 3 + Eagle3, greedy: the
+leaves it half-way did worse than with either graph throughout (its prefill ran the drafter too): on a
+machine where DeepSeek-V3 + Eagle3's speculative step had become dearer (~2.4x a target-only step instead
+of ~2.2x), with a decode-step gain near 1.05x at batch 1, T 0.7, requests that started speculating and left
+after their dwell ran at 0.75-0.92x of target-only, those that speculated throughout at 1.03-1.07x, and the
+cell at 0.93x. Measured, speculating every step on the bundled Llama 3 + Eagle3, greedy: the
 decode-step model expected 1.53x / 1.25x / 1.26x at batch 1 / 4 / 16, and the runs gave 1.38x / 1.00x /
 0.88x. Once rows speculate, they keep on while the gain clears 1 + STAY_MARGIN alone: leaving half-way
 was worse than either graph throughout (same pair, batch 4: repeats that switched to target-only midway
