@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from export.ort_lowering import replace_node
 from plugins import ort_cpu
 
 if TYPE_CHECKING:
@@ -39,11 +40,7 @@ def lower(model: ir.Model) -> int:
             continue
         linear = ir.node("PackedLinear", inputs=node.inputs[:2], domain=ort_cpu.DOMAIN, version=1,
                          attributes={"trans_b": trans_b}, name=node.name, num_outputs=1)
-        model.graph.insert_after(node, linear)
-        old, new = node.outputs[0], linear.outputs[0]
-        old.replace_all_uses_with(new, replace_graph_outputs=True)
-        model.graph.remove(node, safe=True)
-        new.name, new.shape, new.type = old.name, old.shape, old.type
+        replace_node(model.graph, node, linear)
         moved += 1
     if moved:
         model.opset_imports[ort_cpu.DOMAIN] = 1

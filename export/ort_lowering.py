@@ -103,16 +103,24 @@ def lower(model: ir.Model, reads: dict[str, PoolRead]) -> int:
                           ir.AttrInt64("sliding_window", _int(attrs, "sliding_window", 0)),
                           ir.AttrFloat32("softcap", attrs["softcap"].as_float() if "softcap" in attrs else 0.0)],
                          name=f"{node.name}_in_place")
-        model.graph.insert_after(node, native)
-        out, name = native.outputs[0], node.outputs[0].name
-        out.shape, out.type = node.outputs[0].shape, node.outputs[0].type
-        ir.convenience.replace_all_uses_with(node.outputs[0], out, replace_graph_outputs=True)
-        model.graph.remove(node, safe=True)
-        out.name = name                             # the old value's name, free once its node is gone
+        replace_node(model.graph, node, native)
         lowered += 1
     if lowered:
         model.opset_imports[NATIVE_DOMAIN] = 1
     return lowered
+
+
+def replace_node(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
+    """Put `new` in `old`'s place (both one output): inserted after it, its output taking over the old
+    output's uses (graph outputs too), shape, type and name."""
+    import onnx_ir as ir
+
+    graph.insert_after(old, new)
+    out, was = new.outputs[0], old.outputs[0]
+    out.shape, out.type = was.shape, was.type
+    ir.convenience.replace_all_uses_with(was, out, replace_graph_outputs=True)
+    graph.remove(old, safe=True)
+    out.name = was.name                             # the old value's name, free once its node is gone
 
 
 def _joined_rows(graph: ir.Graph, node: ir.Node, read: PoolRead, values: dict) -> list[ir.Value]:
