@@ -14,8 +14,11 @@ Files are staged in a hidden sibling of DIR, beside a small owner file naming th
   .<name>.tmp-<hex>/          the artifact being written           .<name>.tmp-<hex>.owner   {"pid", "host"}
   DIR ──rename──▶ .<name>.old-<hex>,  tmp ──rename──▶ DIR,  rm -r .<name>.old-<hex>      (replacing an artifact)
 
-A failed or interrupted export (Ctrl-C, and SIGTERM, handled the same way) removes both; one killed
-outright (kill -9) leaves them, and the next export beside DIR removes them once that process is gone.
+A failed or interrupted export (Ctrl-C) removes both. SIGTERM removes both from its handler and ends the
+process there (status 143): an exception raised from a signal handler can surface inside torch's tracer
+or a class body and be rewrapped, or crash the process while it unwinds. SIGTERM is held back while the
+finished artifact is moved into place, so it never acts between the two renames. One killed outright
+(kill -9) leaves both, and the next export beside DIR removes them once that process is gone.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import NamedTuple
 
@@ -100,14 +103,15 @@ def staging(plan: OutPlan) -> Iterator[Path]:
     _sweep_stale(out.parent)
     tmp = out.parent / f".{out.name[:_NAME_KEEP]}.tmp-{secrets.token_hex(4)}"
     owner = tmp.with_name(tmp.name + OWNER_SUFFIX)
-    with _sigterm_as_exit():
+    with _sigterm_removes(tmp, owner) as commit_section:
         try:
             _os_call(out, lambda: out.parent.mkdir(parents=True, exist_ok=True))
             _os_call(out, lambda: owner.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()})))
             _os_call(out, tmp.mkdir)
             yield tmp
-            _os_call(out, lambda: _merge_into(tmp, plan) if plan.mode == "merge" else _swap_into(tmp, out))
-        except BaseException:             # KeyboardInterrupt and SIGTERM included: never leave a half artifact
+            with commit_section():
+                _os_call(out, lambda: _merge_into(tmp, plan) if plan.mode == "merge" else _swap_into(tmp, out))
+        except BaseException:             # KeyboardInterrupt included: never leave a half artifact
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         finally:
@@ -180,18 +184,40 @@ def _alive(pid: int) -> bool:
 
 
 @contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM ends the export like Ctrl-C does (cleanup runs), with the conventional status 128 + 15."""
+def _sigterm_removes(tmp: Path, owner: Path) -> Iterator[Callable[[], AbstractContextManager[None]]]:
+    """While staging, SIGTERM removes `tmp` and `owner` and ends the process with status 128 + 15.
+
+    Yields `commit_section`, a context in which SIGTERM waits until it is left: the artifact is then whole
+    in DIR, or the previous one is still there. (A flag, not a signal mask: a mask on the main thread
+    leaves the signal to any other thread, and Python runs its handler on the main thread regardless.)
+    """
     if threading.current_thread() is not threading.main_thread():
-        yield                             # signal handlers can only be set from the main thread
+        yield nullcontext                 # signal handlers can only be set from the main thread
         return
+    state = {"committing": False, "pending": False}
 
     def terminate(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
+        if state["committing"]:
+            state["pending"] = True
+            return
+        shutil.rmtree(tmp, ignore_errors=True)
+        owner.unlink(missing_ok=True)
+        os.write(2, b"Error: export terminated (SIGTERM); its staging directory was removed\n")
+        os._exit(128 + signal.SIGTERM)
+
+    @contextmanager
+    def commit_section() -> Iterator[None]:
+        state["committing"] = True
+        try:
+            yield
+        finally:
+            state["committing"] = False
+            if state["pending"]:
+                terminate(signal.SIGTERM, None)
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        yield
+        yield commit_section
     finally:
         with suppress(ValueError, TypeError):
             signal.signal(signal.SIGTERM, previous)

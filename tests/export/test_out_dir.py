@@ -4,7 +4,8 @@ The data-loss report reproduced: a directory holding a `{}` manifest.json beside
 refused in one line and nothing is deleted; --force writes the artifact into it and keeps them. An
 artifact is replaced as a whole; with foreign files only file by file. An --out under a file, on a
 read-only filesystem or with a 250-character name is one line (or just works). SIGTERM during an export
-cleans up like Ctrl-C, and what kill -9 leaves is swept by the next export beside it."""
+removes what it staged and exits 143 (held back while an artifact is swapped in); what kill -9 leaves is
+swept by the next export beside it."""
 
 from __future__ import annotations
 
@@ -153,15 +154,60 @@ def test_a_250_character_name_is_written_and_a_256_character_one_is_one_line(tmp
 
 # --- item 6: SIGTERM and kill -9 -------------------------------------------------------------------------------------
 
-def test_sigterm_cleans_up_like_ctrl_c(tmp_path: Path) -> None:
-    handler = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(SystemExit) as info:
-        with staging(plan_out_dir(tmp_path / "art")) as tmp:
-            (tmp / io.MODEL_NAME).write_bytes(b"half")
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(10)                          # the handler raises before this ends
-    assert info.value.code == 128 + signal.SIGTERM
+# A child process that stages an artifact and is sent SIGTERM from inside `staging`: {when} is "writing" (a half
+# file is staged) or "committing" (between the two renames that replace an existing artifact).
+STAGE_AND_TERMINATE = """
+import os, signal, sys, time
+from pathlib import Path
+from export import out_dir
+from export.out_dir import plan_out_dir, staging
+from tests.engines.manifests import write_fake_artifact
+
+out, when = Path(sys.argv[1]), sys.argv[2]
+swap = out_dir._swap_into
+def swap_after_sigterm(tmp, dest):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)                              # time for a handler that is not held back to run
+    swap(tmp, dest)
+out_dir._swap_into = swap_after_sigterm
+with staging(plan_out_dir(out)) as tmp:
+    write_fake_artifact(tmp)
+    if when == "writing":
+        (tmp / "model.onnx").write_bytes(b"half")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)                           # the handler ends the process before this does
+print("staging ended")
+"""
+
+
+def stage_and_terminate(out: Path, when: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", STAGE_AND_TERMINATE, str(out), when], capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).parents[2])
+
+
+def test_sigterm_while_writing_removes_the_staged_files_and_exits_143(tmp_path: Path) -> None:
+    done = stage_and_terminate(tmp_path / "art", "writing")
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stderr.strip() == "Error: export terminated (SIGTERM); its staging directory was removed"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_while_replacing_an_artifact_waits_until_the_new_one_is_in_place(tmp_path: Path) -> None:
+    out = tmp_path / "art"
+    with staging(plan_out_dir(out)) as tmp:
+        write_fake_artifact(tmp)
+    old_inode = (out / io.MANIFEST_NAME).stat().st_ino
+    done = stage_and_terminate(out, "committing")
+    assert done.returncode == 128 + signal.SIGTERM and "staging ended" not in done.stdout, done.stderr
+    assert Manifest.load(out).method == "eagle3" and (out / io.MANIFEST_NAME).stat().st_ino != old_inode
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]
+
+
+def test_staging_restores_the_previous_sigterm_handler(tmp_path: Path) -> None:
+    handler = signal.getsignal(signal.SIGTERM)
+    with staging(plan_out_dir(tmp_path / "art")) as tmp:
+        assert signal.getsignal(signal.SIGTERM) != handler
+        write_fake_artifact(tmp)
     assert signal.getsignal(signal.SIGTERM) == handler
 
 
