@@ -25,7 +25,10 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
   measured acceptance again (batch 1: 77% target-only, 0.96x, where speculating every step gave 1.49x).
   Over a window of steps the mean is tokens per step, the figure a step-cost comparison needs. It
   starts at K (optimistic: speculation is measured before it is judged), K counting as PRIOR_WEIGHT
-  steps until that many were seen.
+  steps until that many were seen. Kept in the mean for good (as PRIOR_WEIGHT steps), K would lift
+  the few probes' steps a target-only policy learns from: tried, DeepSeek-V3 + Eagle3 at batch 1, greedy,
+  no longer stayed target-only after probes met hard requests (1 trial of 4 had: 0.97x, against
+  1.19-1.23x), but Llama 3 + DFlash (K = 7) at batch 1, T 0.7 went on probing, 0.920x of target-only.
 - switching: the target-only graph leaves the draft pool alone, so a row that decoded target-only is
   recomputed (from its first position without draft KV) before it speculates again, and its first
   speculative step has no drafts to verify. A decision therefore holds for MIN_DWELL steps; staying in
@@ -44,12 +47,18 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
   looked at again every RECHECK steps (the host's share of a batch-1 step is ~10%; the policy's per-step
   cost is kept to a few microseconds).
 - probes: speculation probes target-only after FIRST_PROBE steps in a mode, then twice as long each time
-  up to PROBE_INTERVAL; target-only probes speculation (which is also what refreshes acceptance, only
+  up to PROBE_INTERVAL, on a schedule of its own for each batch bucket and kind of step: a probe is what
+  re-times the graph not in use, and an estimate first measured in a slow spell (a new shape's first runs)
+  otherwise stays while the probes of other buckets have stretched to PROBE_INTERVAL (Gemma 4 + its
+  assistant, batch 4, greedy, after the batch-1 cells: speculation on every step at 0.905x of target-only
+  where the cell's own step times gave 1.07x, so target-only's estimate was at least 1.26x its time).
+  Target-only steps are the cheap ones, so these probes cost little. Target-only probes speculation (which is also what refreshes acceptance, only
   speculative steps measure it) on that schedule too, but only while its rows have little to recompute
   (at most ENTER_GAP / 4 tokens each): a probe that recomputes whole sequences costs more than it can find
   (measured: batch 4, DeepSeek-V3 + MTP, 0.89x against 0.94x for always speculating and 0.99x for never);
-  and only when its expected gain is at least PROBE_REACH of the bar (at batch 16, T 0.7 it is ~0.2, and
-  four speculative steps cost ~20 target-only ones). A probe of speculation lasts MIN_DWELL / 2 steps: a
+  on one schedule for all buckets (each costs several target-only steps' worth); and only when its
+  expected gain is at least PROBE_REACH of the bar (at batch 16, T 0.7 it is ~0.2, and four speculative
+  steps cost ~20 target-only ones). A probe of speculation lasts MIN_DWELL / 2 steps: a
   request's first steps accept less than its later ones (DeepSeek-V3 + MTP, greedy: 1.5 drafts in the
   first four, 2.1 after), and probes start with new requests.
 
@@ -127,7 +136,7 @@ class SpeculationPolicy:
         self.counts: Counter[str] = Counter()                      # steps of each kind
         self.current = SPECULATIVE if mode != "never" else TARGET_ONLY
         self._dwell = self._since_probe = 0
-        self._probe_after = FIRST_PROBE
+        self._probe_after: dict[tuple[int, bool] | None, int] = {}  # steps before a probe (key: see choose)
         self._probing = False            # speculating on a probe: kept only over the bar to start
 
     def choose(self, rows: Sequence[SequenceState]) -> str:
@@ -142,10 +151,12 @@ class SpeculationPolicy:
             self._dwell -= 1
             return self.current
         kind, reach = self._best(rows, fresh)
-        probe = kind == self.current and self._since_probe >= self._probe_after and \
+        key = (_bucket(len(rows)), _any_sampled(rows)) if kind == SPECULATIVE else None     # probes of target-only
+        probe_after = self._probe_after.get(key, FIRST_PROBE)                            # by bucket, see the note
+        probe = kind == self.current and self._since_probe >= probe_after and \
             (kind == SPECULATIVE or (_gap(rows) <= ENTER_GAP / 4 and reach >= PROBE_REACH))
         if probe:
-            kind, self._probe_after = _other(kind), min(2 * self._probe_after, PROBE_INTERVAL)
+            kind, self._probe_after[key] = _other(kind), min(2 * probe_after, PROBE_INTERVAL)
         self._probing = probe and kind == SPECULATIVE
         if kind != self.current:
             self._since_probe = 0

@@ -9,6 +9,7 @@ equal to the always-speculating run's, position by position.
 
 from __future__ import annotations
 
+from collections import deque
 from itertools import cycle
 
 import numpy as np
@@ -96,7 +97,34 @@ def test_the_other_mode_is_probed_now_and_then() -> None:
     kinds = [policy.choose(rows) for _ in range(sp.FIRST_PROBE + sp.MIN_DWELL + 2)]
     assert kinds[:sp.MIN_DWELL] == [ONLY] * sp.MIN_DWELL
     assert SPEC in kinds[sp.FIRST_PROBE - 2:], "a probe of speculation after FIRST_PROBE target-only steps"
-    assert policy._probe_after == 2 * sp.FIRST_PROBE                       # the next one twice as late
+    assert policy._probe_after == {None: 2 * sp.FIRST_PROBE}               # the next one twice as late
+
+
+def test_a_stale_estimate_of_the_graph_not_in_use_is_re_timed_on_its_own_buckets_schedule() -> None:
+    """Long batch-1 use stretches batch 1's probes to PROBE_INTERVAL; batch 4's target-only time, measured
+    in a slow spell, is still probed within FIRST_PROBE steps of speculation there, and once re-timed the
+    policy leaves speculation."""
+    policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
+    one = [_row(accepted=(3,) * 16)]
+    _measured(policy, 1, 2.0e-3, 1.0e-3)                                   # batch 1: 4 tokens per 2x step
+    policy.prior[False] = 2.0
+    for _ in range(8 * sp.PROBE_INTERVAL):
+        kind = policy.choose(one)
+        policy.record(kind, one, 2.0e-3 if kind == SPEC else 1.0e-3, True, [])
+    assert policy._probe_after[(1, False)] == sp.PROBE_INTERVAL
+    _measured(policy, 4, 2.0e-3, 1.0e-3)                                   # target-only: 1.67x its real 0.6 ms
+    for key in ((SPEC, 4, False), (ONLY, 4, False)):
+        policy._recent[key] = deque([policy.step_s[key]] * sp.MIN_SAMPLES, maxlen=sp.TIME_WINDOW)
+    four = [_row(accepted=(2,) * 16)] * 4
+    four[0].generated, four[0].cache_len, four[0].draft_len = [7], 12, 10  # decoding: dwells hold
+    kinds = []
+    for _ in range(4 * sp.FIRST_PROBE):
+        kinds.append(policy.choose(four))                                  # 3 tokens per 2x step: 1.5x
+        policy.record(kinds[-1], four, 2.0e-3 if kinds[-1] == SPEC else 0.6e-3, True, [])
+    first = kinds.index(ONLY)
+    assert kinds[0] == SPEC and first <= sp.FIRST_PROBE                    # started; probed within FIRST_PROBE
+    assert policy._time(ONLY, 4, False) == pytest.approx(0.6e-3)           # re-timed: 3 tokens per 3.3x step
+    assert kinds[first:first + sp.FIRST_PROBE - 1] == [ONLY] * (sp.FIRST_PROBE - 1)
 
 
 def test_larger_batches_need_a_larger_gain_to_start_and_hopeless_speculation_is_not_probed() -> None:
