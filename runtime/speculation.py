@@ -52,15 +52,16 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
   otherwise stays while the probes of other buckets have stretched to PROBE_INTERVAL (Gemma 4 + its
   assistant, batch 4, greedy, after the batch-1 cells: speculation on every step at 0.905x of target-only
   where the cell's own step times gave 1.07x, so target-only's estimate was at least 1.26x its time).
-  Target-only steps are the cheap ones, so these probes cost little. Target-only probes speculation (which is also what refreshes acceptance, only
-  speculative steps measure it) on that schedule too, but only while its rows have little to recompute
-  (at most ENTER_GAP / 4 tokens each): a probe that recomputes whole sequences costs more than it can find
-  (measured: batch 4, DeepSeek-V3 + MTP, 0.89x against 0.94x for always speculating and 0.99x for never);
-  on one schedule for all buckets (each costs several target-only steps' worth); and only when its
-  expected gain is at least PROBE_REACH of the bar (at batch 16, T 0.7 it is ~0.2, and four speculative
-  steps cost ~20 target-only ones). A probe of speculation lasts MIN_DWELL / 2 steps: a
-  request's first steps accept less than its later ones (DeepSeek-V3 + MTP, greedy: 1.5 drafts in the
-  first four, 2.1 after), and probes start with new requests.
+  Target-only steps are the cheap ones, so these probes cost little. Target-only probes speculation
+  (which is also what refreshes acceptance, only speculative steps measure it) on the same doubling, on
+  one schedule for all buckets (each probe costs several target-only steps' worth), and only while its
+  rows have little to recompute (at most ENTER_GAP / 4 tokens each): a probe that recomputes whole
+  sequences costs more than it can find (measured: batch 4, DeepSeek-V3 + MTP, 0.89x against 0.94x for
+  always speculating and 0.99x for never); and only when its expected gain is at least PROBE_REACH of the
+  bar (at batch 16, T 0.7 it is ~0.2, and four speculative steps cost ~20 target-only ones). A probe of
+  speculation lasts MIN_DWELL / 2 steps: a request's first steps accept less than its later ones
+  (DeepSeek-V3 + MTP, greedy: 1.5 drafts in the first four, 2.1 after), and probes start with new
+  requests.
 
 Batches: rows that speculate finish unevenly (a request's acceptance varies ~3x), so a batch's last rows
 decode on in small, less efficient steps, which no single step's costs show; the bar is therefore
