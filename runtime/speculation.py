@@ -151,8 +151,9 @@ class SpeculationPolicy:
         if self._dwell > 0 and not fresh and not (self.current == TARGET_ONLY and _all_new(rows)):
             self._dwell -= 1
             return self.current
-        kind, reach = self._best(rows, fresh)
-        key = (_bucket(len(rows)), _any_sampled(rows)) if kind == SPECULATIVE else None     # probes of target-only
+        bucket, sampled = _bucket(len(rows)), _any_sampled(rows)
+        kind, reach = self._best(rows, bucket, sampled, fresh)
+        key = (bucket, sampled) if kind == SPECULATIVE else None                           # probes of target-only
         probe_after = self._probe_after.get(key, FIRST_PROBE)                            # by bucket, see the note
         probe = kind == self.current and self._since_probe >= probe_after and \
             (kind == SPECULATIVE or (_gap(rows) <= ENTER_GAP / 4 and reach >= PROBE_REACH))
@@ -167,10 +168,10 @@ class SpeculationPolicy:
             self._dwell = RECHECK - 1                # kept: looked at again in RECHECK steps
         return kind
 
-    def _best(self, rows: Sequence[SequenceState], fresh: bool) -> tuple[str, float]:
-        """The better kind of step for `rows` (`fresh`: none has decoded yet), and its expected gain over the bar
-        it must clear (inf while a kind is unmeasured)."""
-        bucket, sampled = _bucket(len(rows)), _any_sampled(rows)
+    def _best(self, rows: Sequence[SequenceState], bucket: int, sampled: bool, fresh: bool) -> tuple[str, float]:
+        """The better kind of step for `rows` (in batch bucket `bucket`, `sampled` if any row samples; `fresh`:
+        none has decoded yet), and its expected gain over the bar it must clear (inf while a kind is
+        unmeasured)."""
         spec_s, only_s = self._time(SPECULATIVE, bucket, sampled), self._time(TARGET_ONLY, bucket, sampled)
         if self.current == SPECULATIVE and (spec_s is None or only_s is None):
             kind = TARGET_ONLY if spec_s is not None else SPECULATIVE     # measure, then explore target-only
