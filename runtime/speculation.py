@@ -16,14 +16,7 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
   rather than paying a recompute to explore it, scaled by (B / B') ** BORROW_EXPONENT: the speculative
   step gets dearer relative to the target-only one as the batch grows (measured, bundled pairs: Gemma 4
   1.6x at batch 1, 2.9x at 4; DFlash 2.4x, 3.7x, 5.2x at 1, 4, 16). Borrowed as is, batch 1's ratio
-  started Gemma 4 speculating on every batch of 4 (0.75x of target-only). Nor are the steps of requests
-  in their first SETTLE_STEPS steps (prefill included) timed, unless they are at most a quarter of the
-  batch: a request that starts on cold caches (after an idle spell; `unispec bench` flushes them before
-  every pass) runs its first decode steps slowly, and the speculative graph's for longer (measured,
-  DeepSeek-V3 + Eagle3, batch 1: 1.4-2.0, 1.0-1.3, 0.8-1.0 ms, then ~0.75 ms from the fourth or fifth;
-  target-only 0.7-1.8, 0.5-1.1, then ~0.37 ms). Probes of speculation start with new requests, so timed
-  from their first steps they priced speculation at 1.5-2.0 ms a step, and DeepSeek-V3 + MTP stayed
-  target-only for whole bench cells (0.97x, against 1.12x when it speculated).
+  started Gemma 4 speculating on every batch of 4 (0.75x of target-only).
 - expected accepted drafts: each row's mean over its last ROW_WINDOW verified steps, pulled towards the
   engine-wide mean of rows of its kind (greedy / sampled) while it has few, so new rows start informed.
   That mean is over the last PRIOR_WINDOW verified row-steps (several requests): per-request acceptance
@@ -68,8 +61,7 @@ Speculation pays when the tokens a speculative step commits per row outweigh its
   bar (at batch 16, T 0.7 it is ~0.2, and four speculative steps cost ~20 target-only ones). A probe of
   speculation lasts MIN_DWELL / 2 steps: a request's first steps accept less than its later ones
   (DeepSeek-V3 + MTP, greedy: 1.5 drafts in the first four, 2.1 after), and probes start with new
-  requests; for the same reason a probe's steps of requests in their first SETTLE_STEPS steps do not
-  enter the engine-wide acceptance.
+  requests.
 
 Batches: rows that speculate finish unevenly (a request's acceptance varies ~3x), so a batch's last rows
 decode on in small, less efficient steps, which no single step's costs show; the bar is therefore
@@ -115,7 +107,6 @@ ENTER_GAP = 64             # tokens to recompute per row at which resuming needs
 MIN_DWELL = 16             # steps a decision holds (probes: half that for speculation, a quarter otherwise)
 MIN_SAMPLES = 8            # timed decode steps before a step-time estimate counts
 WARMUP_STEPS = 4           # first decode steps of each kind / bucket left untimed
-SETTLE_STEPS = 5           # steps of a request (its prefill included) before the steps it is in are timed
 RECHECK = 4                # steps a kept decision holds before it is looked at again
 ROW_WINDOW = 16            # a row's recent verified steps its acceptance estimate averages
 PRIOR_WEIGHT = 8.0         # how many steps the engine-wide mean counts for in a row's estimate
@@ -208,10 +199,7 @@ class SpeculationPolicy:
         if self.samples[key] < WARMUP_STEPS + MIN_SAMPLES:
             return None
         if key not in self.step_s:
-            recent = self._recent.get(key, ())
-            if len(recent) < MIN_SAMPLES:                  # steps of unsettled requests were run, not timed
-                return None
-            self.step_s[key] = lower_quartile(recent)
+            self.step_s[key] = lower_quartile(self._recent[key])
         return self.step_s[key]
 
     def _nearest_ratio(self, bucket: int, sampled: bool) -> float | None:
@@ -236,12 +224,10 @@ class SpeculationPolicy:
         self.counts[kind] += 1
         if not self.adaptive:
             return
-        settled = sum(r.num_steps <= SETTLE_STEPS for r in rows) <= len(rows) // 4
         if all_decode:
             key = (kind, _bucket(len(rows)), _any_sampled(rows))
             self.samples[key] += 1
-            # ORT's first runs of a shape are slow, and so are a request's first steps (see the note): not timed
-            if self.samples[key] > WARMUP_STEPS and settled:
+            if self.samples[key] > WARMUP_STEPS:     # ORT's first runs of a shape are slow: not timed
                 recent = self._recent.get(key)
                 if recent is None:
                     recent = self._recent[key] = deque(maxlen=TIME_WINDOW)
@@ -249,9 +235,7 @@ class SpeculationPolicy:
                 self.step_s.pop(key, None)
         if verified:
             for sampled in (False, True):
-                # a probe's first steps are its requests' first, which accept less (see the note)
-                new = [accepted for row, accepted in verified if _greedy(row) != sampled
-                       and not (self._probing and row.num_steps <= SETTLE_STEPS)]
+                new = [accepted for row, accepted in verified if _greedy(row) != sampled]
                 if new:
                     self._remember(sampled, new)
 

@@ -30,7 +30,6 @@ SPEC, ONLY = sp.SPECULATIVE, sp.TARGET_ONLY
 def _row(temperature: float = 0.0, accepted: tuple[int, ...] = ()) -> SequenceState:
     seq = SequenceState(0, [1, 2], SamplingParams(temperature=temperature), 8, RequestNoise(0))
     seq.accepted = list(accepted)
-    seq.num_steps = sp.SETTLE_STEPS + 1                                     # past its first, slow steps
     return seq
 
 
@@ -126,35 +125,6 @@ def test_a_stale_estimate_of_the_graph_not_in_use_is_re_timed_on_its_own_buckets
     assert kinds[0] == SPEC and first <= sp.FIRST_PROBE                    # started; probed within FIRST_PROBE
     assert policy._time(ONLY, 4, False) == pytest.approx(0.6e-3)           # re-timed: 3 tokens per 3.3x step
     assert kinds[first:first + sp.FIRST_PROBE - 1] == [ONLY] * (sp.FIRST_PROBE - 1)
-
-
-def test_the_first_steps_of_requests_are_not_timed_nor_a_probes_acceptance_counted() -> None:
-    """A request's first SETTLE_STEPS steps run on cold caches after an idle spell: steps where more than a
-    quarter of the rows are that young are run but not timed, and a probe's verified steps of such rows do
-    not enter the engine-wide acceptance."""
-    policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True)
-    young = _row(accepted=(1,) * 4)
-    young.num_steps = sp.SETTLE_STEPS
-    for _ in range(sp.WARMUP_STEPS + 4 * sp.MIN_SAMPLES):
-        policy.record(SPEC, [young], 5.0e-3, True, [])                      # cold: run, never timed
-    assert policy._time(SPEC, 1, False) is None
-    for _ in range(sp.MIN_SAMPLES):
-        policy.record(SPEC, [_row()], 1.0e-3, True, [])
-    assert policy._time(SPEC, 1, False) == 1.0e-3                          # only the settled steps
-    for _ in range(sp.WARMUP_STEPS + sp.MIN_SAMPLES):                       # one young row of four: timed
-        policy.record(SPEC, [young] + [_row()] * 3, 2.0e-3, True, [])
-    assert policy._time(SPEC, 4, False) == 2.0e-3
-    for _ in range(sp.MIN_SAMPLES):                                         # two of four: not
-        policy.record(SPEC, [young] * 2 + [_row()] * 2, 9.0e-3, True, [])
-    assert policy._time(SPEC, 4, False) == 2.0e-3
-    policy._probing = True
-    policy.record(SPEC, [young], 1.0e-3, True, [(young, 0)] * 100)
-    assert policy.prior[False] == 3.0                                       # still K: nothing counted
-    policy.record(SPEC, [_row()], 1.0e-3, True, [(_row(), 1)] * 100)
-    assert policy.prior[False] == 1.0
-    policy._probing = False
-    policy.record(SPEC, [young], 1.0e-3, True, [(young, 0)] * 100)        # outside probes: counted
-    assert policy.prior[False] == pytest.approx(0.5)
 
 
 def test_larger_batches_need_a_larger_gain_to_start_and_hopeless_speculation_is_not_probed() -> None:
