@@ -81,8 +81,10 @@ def _cells(rows: list[Row]) -> list[list[Row]]:
 
 
 def write_json(report: BenchReport, path: Path) -> Path:
+    """The report as compact JSON (one line): a run's per-pass figures are most of it, and indented they
+    took ~1.5x the bytes (the committed runs under docs/bench are read with tools; the .txt beside is for eyes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    path.write_text(json.dumps(report.to_json(), separators=(",", ":")) + "\n")
     return path
 
 
