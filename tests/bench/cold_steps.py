@@ -22,9 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from runtime.llm import LLM  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
-from unispec.bench import flush_caches, load_prompts  # noqa: E402
-
-PROMPTS = Path(__file__).resolve().parents[2] / "models" / "prompts.jsonl"
+from unispec.bench import REPO_PROMPTS, flush_caches, load_prompts  # noqa: E402
 
 
 def decode_step_ms(llm: LLM, prompt: str) -> list[float]:
@@ -49,7 +47,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--trials", type=int, default=3)
     args = parser.parse_args()
-    prompts = load_prompts(PROMPTS)[:args.requests]
+    prompts = load_prompts(REPO_PROMPTS)[:args.requests]
     for trial in range(args.trials):
         llm = LLM(args.artifact, backend="ort", speculation=args.speculation, num_threads=1)
         steps = [decode_step_ms(llm, prompt) for prompt in prompts]
