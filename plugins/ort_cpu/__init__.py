@@ -1,6 +1,7 @@
 """unispec's native ONNX Runtime CPU kernels (domain `unispec.cpu`), compiled on this machine on first use.
 
-    library_path()  -> the shared library to pass to SessionOptions.register_custom_ops_library
+    library_path()         -> the shared library to pass to SessionOptions.register_custom_ops_library
+    packed_linear_bytes()  -> what that library's PackedLinear kernels hold packed in this process
 
 Ops: PagedAttentionPool / PagedAttentionPoolRows (paged_attention.cc), SpecAccept and SampleDraft
 (spec_accept.cc), PackedLinear (matmul.cc); register.cc adds them all to the domain. The sources (*.cc,
@@ -56,6 +57,17 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def packed_linear_bytes(library: Path) -> int:
+    """Bytes this process's PackedLinear kernels hold packed (shared copies once) in the library at `library`,
+    as loaded by the sessions that registered it: float16 panels for weights whose every value is a float16
+    exactly (2 bytes a value), float32 panels for the others."""
+    import ctypes
+
+    counter = ctypes.CDLL(str(library)).unispec_packed_linear_bytes
+    counter.restype = ctypes.c_int64
+    return int(counter())
 
 
 def library_path(march: str = "native") -> Path:

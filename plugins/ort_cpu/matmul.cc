@@ -13,6 +13,11 @@
 // For more rows (a prefill chunk) the same panels are walked in blocks of kKc values of k that stay in L1
 // while every group of 8 rows goes over them.
 //
+// A weight whose every value is a float16 exactly (a drafter shipped in float16 and exported as float32) is
+// packed as float16 and widened as it is loaded: the same products and sums, bit for bit, from half the
+// bytes. A step reads a drafter's weights after the target's have pushed them out of L2 (Llama 3 + Eagle3's
+// head: 1.3 MB of float32 per draft step), so it is their stream that halves.
+//
 // The packed copy is made from the initializer ORT hands the kernel at creation
 // (KernelInfoGetConstantInput_tensor); ORT maps external weights from the file and this op never asks it
 // to copy them; once packed, the original's pages are handed back (release_pages), so a session holds one
@@ -40,6 +45,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernel.h"
@@ -61,15 +67,74 @@ constexpr int kMr = 4;
 
 struct Packed {
   int64_t n = 0, k = 0, panels = 0;
-  float* data = nullptr;            // [panels][k][kPanel], 64-byte aligned, columns past n are zero
+  bool half = false;                // data holds float16 values (uint16_t), else float
+  void* data = nullptr;             // [panels][k][kPanel], 64-byte aligned, columns past n are zero
 
   ~Packed() { std::free(data); }
+  template <typename W>
+  const W* panel(int64_t p) const { return static_cast<const W*>(data) + p * k * kPanel; }
 };
+
+// float16 <-> float32 for packing and for the portable loop; the SIMD paths widen with F16C's vcvtph2ps,
+// which gives the same float for every half.
+inline float half_to_float(uint16_t h) {
+  const int exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -24)   // zero, subnormals
+                          : exponent == 31 ? (mantissa ? NAN : INFINITY)
+                                           : std::ldexp(static_cast<float>(mantissa | 0x400), exponent - 25);
+  return (h & 0x8000) ? -magnitude : magnitude;
+}
+
+// The float16 equal to v, when there is one (finite, within range, no bits below float16's precision).
+bool float_to_half_exactly(float v, uint16_t* h) {
+  const uint16_t sign = std::signbit(v) ? 0x8000 : 0;
+  const float a = std::fabs(v);
+  if (a == 0.0f) {
+    *h = sign;
+    return true;
+  }
+  if (!(a <= 65504.0f)) return false;                      // NaN, infinities, past float16's largest
+  int e = 0;
+  std::frexp(a, &e);                                       // a = m · 2^e, m in [0.5, 1)
+  const int exponent = std::max(e - 1, -14);               // float16's exponent (subnormals share -14)
+  const float scaled = std::ldexp(a, 10 - exponent);       // the significand as an integer, if a fits
+  if (scaled != std::floor(scaled)) return false;
+  const uint32_t m = static_cast<uint32_t>(scaled);        // < 2^11; 2^10 set for normals
+  *h = sign | static_cast<uint16_t>(m < 0x400 ? m : ((exponent + 15) << 10) | (m & 0x3ff));
+  return true;
+}
+
+bool all_half(const float* w, int64_t count) {
+  uint16_t h = 0;
+  for (int64_t i = 0; i < count; ++i)
+    if (!float_to_half_exactly(w[i], &h)) return false;
+  return true;
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* b) { return _mm512_load_ps(b); }
+inline __m512 load16(const uint16_t* b) {
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(b)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* b) { return _mm256_load_ps(b); }
+#if defined(__F16C__)
+inline __m256 load8(const uint16_t* b) { return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(b))); }
+#else
+inline __m256 load8(const uint16_t* b) {
+  alignas(32) float f[8];
+  for (int j = 0; j < 8; ++j) f[j] = half_to_float(b[j]);
+  return _mm256_load_ps(f);
+}
+#endif
+#endif
+inline float widen(float w) { return w; }
+inline float widen(uint16_t w) { return half_to_float(w); }
 
 // acc[MR][32] (+)= x[MR rows, k0 .. k0 + kc) · panel[k0 .. k0 + kc), written to y (stride ldy) for the
 // first `cols` columns; `first` starts from zero, else from y.
-template <int MR>
-inline void tile(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy, int64_t cols,
+template <int MR, typename W>
+inline void tile(const float* x, int64_t ldx, const W* panel, int64_t kc, float* y, int64_t ldy, int64_t cols,
                  bool first) {
   alignas(64) float out[MR][kPanel];
   if (!first)
@@ -84,10 +149,10 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t kc, fl
     acc[i][1] = first ? _mm512_setzero_ps() : _mm512_load_ps(out[i] + 16);
   }
   for (int64_t k = 0; k < kc; ++k) {
-    const float* b = panel + k * kPanel;
+    const W* b = panel + k * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kPanel), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kPanel + 16), _MM_HINT_T0);
-    const __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
+    const __m512 b0 = load16(b), b1 = load16(b + 16);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
@@ -104,11 +169,10 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t kc, fl
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < 4; ++v) acc[i][v] = first ? _mm256_setzero_ps() : _mm256_load_ps(out[i] + 8 * v);
   for (int64_t k = 0; k < kc; ++k) {
-    const float* b = panel + k * kPanel;
+    const W* b = panel + k * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kPanel), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kPanel + 16), _MM_HINT_T0);
-    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8), b2 = _mm256_load_ps(b + 16),
-                 b3 = _mm256_load_ps(b + 24);
+    const __m256 b0 = load8(b), b1 = load8(b + 8), b2 = load8(b + 16), b3 = load8(b + 24);
     for (int i = 0; i < MR; ++i) {
       const __m256 a = _mm256_set1_ps(x[i * ldx + k]);
       acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
@@ -124,13 +188,14 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t kc, fl
     for (int i = 0; i < MR; ++i) std::fill(out[i], out[i] + kPanel, 0.0f);
   for (int64_t k = 0; k < kc; ++k)
     for (int i = 0; i < MR; ++i)
-      for (int64_t j = 0; j < kPanel; ++j) out[i][j] = std::fma(x[i * ldx + k], panel[k * kPanel + j], out[i][j]);
+      for (int64_t j = 0; j < kPanel; ++j) out[i][j] = std::fma(x[i * ldx + k], widen(panel[k * kPanel + j]), out[i][j]);
 #endif
   for (int i = 0; i < MR; ++i) std::memcpy(y + i * ldy, out[i], sizeof(float) * cols);
 }
 
 // rows of x (stride ldx) times panel block [k0, k0 + kc) into y, in tiles of up to kMr rows.
-void rows_by_block(const float* x, int64_t rows, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
+template <typename W>
+void rows_by_block(const float* x, int64_t rows, int64_t ldx, const W* panel, int64_t kc, float* y, int64_t ldy,
                    int64_t cols, bool first) {
   int64_t m = 0;
   for (; m + kMr <= rows; m += kMr) tile<kMr>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first);
@@ -155,8 +220,8 @@ void rows_by_block(const float* x, int64_t rows, int64_t ldx, const float* panel
 // with 1 to 4 rows a one-panel tile has 2 to 8 accumulators, too few to hide the FMA latency, so it runs at
 // a fraction of the core's rate on a weight that sits in cache (the bundled models' ~0.1 MB projections);
 // NP panels give it 12 to 16.
-template <int MR, int NP>
-void tile_wide(const float* x, int64_t k_len, const float* panel, float* y, int64_t ldy) {
+template <int MR, int NP, typename W>
+void tile_wide(const float* x, int64_t k_len, const W* panel, float* y, int64_t ldy) {
   const int64_t stride = k_len * kPanel;       // one panel to the next
   __m512 acc[MR][NP][2];
   for (int i = 0; i < MR; ++i)
@@ -165,11 +230,11 @@ void tile_wide(const float* x, int64_t k_len, const float* panel, float* y, int6
   for (int64_t k = 0; k < k_len; ++k) {
     __m512 b[NP][2];
     for (int p = 0; p < NP; ++p) {
-      const float* row = panel + p * stride + k * kPanel;
+      const W* row = panel + p * stride + k * kPanel;
       _mm_prefetch(reinterpret_cast<const char*>(row + 16 * kPanel), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(row + 16 * kPanel + 16), _MM_HINT_T0);
-      b[p][0] = _mm512_load_ps(row);
-      b[p][1] = _mm512_load_ps(row + 16);
+      b[p][0] = load16(row);
+      b[p][1] = load16(row + 16);
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 a = _mm512_set1_ps(x[i * k_len + k]);
@@ -202,15 +267,15 @@ struct Job {
   int64_t rows, panels_per_task;
 };
 
-// Panels [task · per, (task + 1) · per) for every row.
-void run_task(void* data, size_t task) {
-  const Job& job = *static_cast<const Job*>(data);
+// Panels [task · per, (task + 1) · per) for every row, of weights packed as W.
+template <typename W>
+void run_panels(const Job& job, size_t task) {
   const Packed& w = *job.w;
   const int64_t first_panel = static_cast<int64_t>(task) * job.panels_per_task;
   const int64_t last_panel = std::min(w.panels, first_panel + job.panels_per_task);
   const int64_t kc = job.rows > kManyRows ? kKc : w.k, wide = panels_at_once(job.rows);
   for (int64_t p = first_panel; p < last_panel;) {
-    const float* panel = w.data + p * w.k * kPanel;
+    const W* panel = w.panel<W>(p);
 #if defined(__AVX512F__)
     if (wide > 1 && p + wide <= last_panel && (p + wide) * kPanel <= w.n) {
       float* y = job.y + p * kPanel;
@@ -230,6 +295,14 @@ void run_task(void* data, size_t task) {
                     cols, k0 == 0);
     ++p;
   }
+}
+
+void run_task(void* data, size_t task) {
+  const Job& job = *static_cast<const Job*>(data);
+  if (job.w->half)
+    run_panels<uint16_t>(job, task);
+  else
+    run_panels<float>(job, task);
 }
 
 // The packed weights of this process, by the weight they were packed from: nodes that share a weight (a
@@ -254,29 +327,45 @@ std::vector<float> sample_of(const float* w, int64_t count) {
   return sample;
 }
 
+template <typename W>
+void fill_panels(const float* w, int64_t n, int64_t k, bool trans_b, Packed* packed) {
+  uint16_t h = 0;
+  for (int64_t p = 0; p < packed->panels; ++p) {
+    W* panel = static_cast<W*>(packed->data) + p * k * kPanel;
+    const int64_t cols = std::min(kPanel, n - p * kPanel);
+    for (int64_t kk = 0; kk < k; ++kk) {
+      for (int64_t j = 0; j < cols; ++j) {
+        const int64_t col = p * kPanel + j;
+        const float v = trans_b ? w[col * k + kk] : w[kk * n + col];
+        if constexpr (std::is_same_v<W, float>) {
+          panel[kk * kPanel + j] = v;
+        } else {
+          float_to_half_exactly(v, &h);                  // exact: all_half checked every value
+          panel[kk * kPanel + j] = h;
+        }
+      }
+      for (int64_t j = cols; j < kPanel; ++j) panel[kk * kPanel + j] = W(0);
+    }
+  }
+}
+
 std::shared_ptr<const Packed> pack(const float* w, int64_t n, int64_t k, bool trans_b, OrtStatus** status) {
   auto packed = std::make_shared<Packed>();
   packed->n = n;
   packed->k = k;
   packed->panels = (n + kPanel - 1) / kPanel;
-  const size_t bytes = sizeof(float) * packed->panels * k * kPanel;
-  packed->data = static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+  packed->half = all_half(w, n * k);
+  const size_t bytes = (packed->half ? sizeof(uint16_t) : sizeof(float)) * packed->panels * k * kPanel;
+  packed->data = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
   if (packed->data == nullptr) {
     *status = fail("PackedLinear: out of memory packing a [" + std::to_string(n) + ", " + std::to_string(k) +
                    "] weight");
     return nullptr;
   }
-  for (int64_t p = 0; p < packed->panels; ++p) {
-    float* panel = packed->data + p * k * kPanel;
-    const int64_t cols = std::min(kPanel, n - p * kPanel);
-    for (int64_t kk = 0; kk < k; ++kk) {
-      for (int64_t j = 0; j < cols; ++j) {
-        const int64_t col = p * kPanel + j;
-        panel[kk * kPanel + j] = trans_b ? w[col * k + kk] : w[kk * n + col];
-      }
-      for (int64_t j = cols; j < kPanel; ++j) panel[kk * kPanel + j] = 0.0f;
-    }
-  }
+  if (packed->half)
+    fill_panels<uint16_t>(w, n, k, trans_b, packed.get());
+  else
+    fill_panels<float>(w, n, k, trans_b, packed.get());
   return packed;
 }
 
@@ -386,3 +475,15 @@ OrtCustomOp g_packed_linear = make_op();
 const OrtCustomOp* packed_linear_op() { return &g_packed_linear; }
 
 }  // namespace unispec_cpu
+
+// Bytes held by this process's packed weights (each shared copy once): what a session's PackedLinear nodes
+// keep resident beside the weights file, for tests and memory reports (plugins/ort_cpu/__init__.py).
+extern "C" __attribute__((visibility("default"))) int64_t unispec_packed_linear_bytes() {
+  using namespace unispec_cpu;
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  int64_t bytes = 0;
+  for (const Entry& e : g_cache)
+    if (auto packed = e.packed.lock())
+      bytes += (packed->half ? 2 : 4) * packed->panels * packed->k * kPanel;
+  return bytes;
+}

@@ -1,8 +1,9 @@
 """unispec.cpu::PackedLinear (plugins/ort_cpu/matmul.cc), the packed GEMM model.ort.onnx's linear layers run:
 X · Wᵀ (trans_b 1) or X · W (trans_b 0) equal to a float64 product for every row count the tiles split into
 (1..8 rows, a tail of rows, k blocked above 16 rows), any N (a part panel) and K, inputs of rank 1 to 3, one
-and two threads (ORT's pool, KernelContext_ParallelFor); nodes sharing a weight share its packed copy and
-still compute their own rows; a weight that is not a constant initializer is refused at session creation."""
+and two threads (ORT's pool, KernelContext_ParallelFor); a weight of float16 values packed at half the
+bytes with bit-equal sums; nodes sharing a weight share its packed copy and still compute their own rows; a
+weight that is not a constant initializer is refused at session creation."""
 
 from __future__ import annotations
 
@@ -78,6 +79,40 @@ def test_the_avx2_and_portable_builds_give_the_product(march) -> None:
         for rows in (1, 2, 3, 4, 8, 17, 40):
             x = RNG.standard_normal((rows, k), dtype=np.float32)
             assert close(s.run(None, {"x": x})[0], product(x, w, trans_b)), (march, n, k, rows)
+
+
+def half_exact(shape: tuple[int, int]) -> np.ndarray:
+    """float32 values that are all float16s, the edge cases among them: signed zeros, subnormals, the
+    smallest normal, the largest float16."""
+    w = RNG.standard_normal(shape).astype(np.float16).astype(np.float32)
+    edges = np.array([0.0, -0.0, 2.0 ** -24, -3 * 2.0 ** -24, 1023 * 2.0 ** -24, 2.0 ** -14, 65504.0, -65504.0,
+                      1 + 2.0 ** -10], np.float32)
+    w.flat[:len(edges)] = edges
+    return w
+
+
+@pytest.mark.parametrize("march", ["native", "x86-64-v3", "x86-64"] if platform.machine() == "x86_64" else ["native"])
+def test_a_float16_weight_is_packed_at_half_the_bytes_with_the_same_sums(march) -> None:
+    """Every value a float16 (a float16 drafter exported as float32): packed as float16, 2 bytes a value, and
+    each output bit-equal to what float32 panels give (the same weight with one more column that is no
+    float16 is packed as float32: its first n columns are the same sums in the same order)."""
+    library = ort_cpu.library_path(march)
+    for trans_b, (n, k) in ((1, (70, 33)), (1, (256, 128)), (0, (40, 300))):
+        w = half_exact((n, k) if trans_b else (k, n))
+        extra = RNG.standard_normal((1, k) if trans_b else (k, 1), dtype=np.float32) * np.float32(1 + 2 ** -20)
+        wide = np.concatenate([w, extra], axis=0 if trans_b else 1)
+        before = ort_cpu.packed_linear_bytes(library)
+        half, single = session(linear_model([w], trans_b), march=march), session(linear_model([wide], trans_b),
+                                                                                    march=march)
+        panels = lambda cols: (cols + 31) // 32 * k * 32                            # noqa: E731
+        assert ort_cpu.packed_linear_bytes(library) - before == 2 * panels(n) + 4 * panels(n + 1), (march, n, k)
+        for rows in (1, 2, 3, 4, 8, 17, 40):
+            x = RNG.standard_normal((rows, k), dtype=np.float32)
+            (y,), (y_wide,) = half.run(None, {"x": x}), single.run(None, {"x": x})
+            assert np.array_equal(y, y_wide[:, :n]) and close(y, product(x, w, trans_b)), (march, n, k, rows)
+        (unit,) = half.run(None, {"x": np.eye(k, dtype=np.float32)})           # each value alone, the edges too
+        assert np.array_equal(unit, w.T if trans_b else w), (march, n, k)
+        del half, single                  # their packed copies go with them, before the next count
 
 
 def test_two_threads_and_external_weights_give_the_same_rows(tmp_path) -> None:
