@@ -306,12 +306,16 @@ void run_task(void* data, size_t task) {
 }
 
 // The packed weights of this process, by the weight they were packed from: nodes that share a weight (a
-// drafter's layers run once per draft step) share one packed copy. An entry lives while a kernel holds it;
-// the sample of values guards against a weight freed and another one placed at the same address.
+// drafter's layers run once per draft step) share one packed copy, and so do sessions over the same
+// weights file (a speculative artifact's step and target-only graphs: each session maps the file anew, so
+// their target weights are equal values at other addresses, found by comparing every value). An entry lives
+// while a kernel holds it; the sample of values guards against a weight freed and another one placed at the
+// same address.
 struct Key {
   const float* data;
   int64_t n, k, trans_b;
-  bool operator==(const Key& o) const { return data == o.data && n == o.n && k == o.k && trans_b == o.trans_b; }
+  bool same_shape(const Key& o) const { return n == o.n && k == o.k && trans_b == o.trans_b; }
+  bool operator==(const Key& o) const { return data == o.data && same_shape(o); }
 };
 struct Entry {
   Key key;
@@ -369,6 +373,20 @@ std::shared_ptr<const Packed> pack(const float* w, int64_t n, int64_t k, bool tr
   return packed;
 }
 
+// Whether `packed` holds exactly the values of w (bit for bit; both packings are exact).
+template <typename W>
+bool holds(const Packed& packed, const float* w, bool trans_b) {
+  const int64_t n = packed.n, k = packed.k;
+  for (int64_t col = 0; col < n; ++col) {
+    const W* panel = packed.panel<W>(col / kPanel) + col % kPanel;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const float held = widen(panel[kk * kPanel]), given = trans_b ? w[col * k + kk] : w[kk * n + col];
+      if (std::memcmp(&held, &given, sizeof(float)) != 0) return false;
+    }
+  }
+  return true;
+}
+
 std::shared_ptr<const Packed> shared_pack(const float* w, int64_t n, int64_t k, bool trans_b, OrtStatus** status) {
   const Key key{w, n, k, trans_b};
   std::vector<float> sample = sample_of(w, n * k);
@@ -378,6 +396,10 @@ std::shared_ptr<const Packed> shared_pack(const float* w, int64_t n, int64_t k, 
   for (const Entry& e : g_cache)
     if (e.key == key && e.sample == sample)
       if (auto packed = e.packed.lock()) return packed;
+  for (const Entry& e : g_cache)
+    if (e.key.same_shape(key) && e.sample == sample)
+      if (auto packed = e.packed.lock())
+        if (packed->half ? holds<uint16_t>(*packed, w, trans_b) : holds<float>(*packed, w, trans_b)) return packed;
   std::shared_ptr<const Packed> packed = pack(w, n, k, trans_b, status);
   if (packed) g_cache.push_back({key, std::move(sample), packed});
   return packed;

@@ -2,8 +2,8 @@
 X · Wᵀ (trans_b 1) or X · W (trans_b 0) equal to a float64 product for every row count the tiles split into
 (1..8 rows, a tail of rows, k blocked above 16 rows), any N (a part panel) and K, inputs of rank 1 to 3, one
 and two threads (ORT's pool, KernelContext_ParallelFor); a weight of float16 values packed at half the
-bytes with bit-equal sums; nodes sharing a weight share its packed copy and still compute their own rows; a
-weight that is not a constant initializer is refused at session creation."""
+bytes with bit-equal sums; nodes and sessions sharing a weight's values share its packed copy and still compute
+their own rows; a weight that is not a constant initializer is refused at session creation."""
 
 from __future__ import annotations
 
@@ -164,6 +164,26 @@ def test_a_weight_another_node_reads_is_intact_after_packing(tmp_path) -> None:
     x = RNG.standard_normal((2, 1024), dtype=np.float32)
     y, rows = s.run(None, {"x": x, "ids": ids})
     assert np.array_equal(rows, w[ids]) and close(y, product(x, w, 1))
+
+
+def test_sessions_over_equal_weights_share_one_packed_copy(tmp_path) -> None:
+    """Two sessions over one weights file (a speculative artifact's step and target-only graphs) map it at
+    two addresses: the second finds the first's packed copy by its values and packs nothing; a weight that
+    differs in one value (not one of the sampled ones) gets its own copy."""
+    library = ort_cpu.library_path()
+    w = RNG.standard_normal((96, 64), dtype=np.float32)
+    other = w.copy()
+    other.flat[1000] += 1.0
+    x = RNG.standard_normal((3, 64), dtype=np.float32)
+    before = ort_cpu.packed_linear_bytes(library)
+    first = session(linear_model([w], 1), path=tmp_path / "a.onnx")
+    second = session(linear_model([w], 1), path=tmp_path / "b.onnx")
+    assert ort_cpu.packed_linear_bytes(library) - before == 4 * 96 * 64
+    third = session(linear_model([other], 1), path=tmp_path / "c.onnx")
+    assert ort_cpu.packed_linear_bytes(library) - before == 2 * 4 * 96 * 64
+    del first                                   # the copy lives on while the second session holds it
+    assert close(second.run(None, {"x": x})[0], product(x, w, 1))
+    assert close(third.run(None, {"x": x})[0], product(x, other, 1))
 
 
 def test_a_session_after_another_packs_its_own_weight() -> None:
