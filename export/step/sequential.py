@@ -50,7 +50,7 @@ class SequentialDrafter(Protocol):
     def extend_cache(self, cache: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...], row_ids: torch.Tensor,
                      positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
 
-    def __call__(self, batch: DraftBatch, cache: tuple[torch.Tensor, ...]
+    def __call__(self, batch: DraftBatch, cache: tuple[torch.Tensor, ...], select: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]: ...
 
     def propose(self, head_in: torch.Tensor) -> torch.Tensor: ...
@@ -116,9 +116,10 @@ class SequentialStep(UnifiedStep):
         cache = drafter.open_cache(pools, deltas, f[io.BLOCK_TABLE], rows_m, m.positions)
         batch = DraftBatch(shifted, drafter.feature(hidden, captured), m.positions, m.row_offsets,
                            f[io.CACHE_LENGTHS], committed)
-        carry, head_in, draft_rows = drafter(batch, cache)
+        # every merged row writes draft KV, but only each row's last accepted one drafts on: the drafter
+        # leaves the others out of its layer's per-row rest (its MLP, MoE) and returns carry and head_in there
+        carry, head_in, draft_rows = drafter(batch, cache, select=last)                # [B, F], [B, Hd]
         cache = drafter.extend_cache(cache, draft_rows, rows_m, m.positions)
-        carry, head_in = carry[last], head_in[last]                                     # [B, F], [B, Hd]
         drafts = [spec.propose(drafter, head_in, f, 0, self.vocab_size)]                 # ([B, 1], [B, 1, V])
         one_each = torch.arange(last.shape[0] + 1, device=last.device)                  # [B+1]
         for s in range(1, k):

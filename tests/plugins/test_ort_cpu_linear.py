@@ -104,8 +104,8 @@ def test_a_float16_weight_is_packed_at_half_the_bytes_with_the_same_sums(march) 
         before = ort_cpu.packed_linear_bytes(library)
         half, single = session(linear_model([w], trans_b), march=march), session(linear_model([wide], trans_b),
                                                                                     march=march)
-        panels = lambda cols: (cols + 31) // 32 * k * 32                            # noqa: E731
-        assert ort_cpu.packed_linear_bytes(library) - before == 2 * panels(n) + 4 * panels(n + 1), (march, n, k)
+        values = (n + 31) // 32 * 32 * k, (n + 1 + 31) // 32 * 32 * k                 # packed values, panels padded
+        assert ort_cpu.packed_linear_bytes(library) - before == 2 * values[0] + 4 * values[1], (march, n, k)
         for rows in (1, 2, 3, 4, 8, 17, 40):
             x = RNG.standard_normal((rows, k), dtype=np.float32)
             (y,), (y_wide,) = half.run(None, {"x": x}), single.run(None, {"x": x})

@@ -50,9 +50,12 @@ class DeepseekV3Block(nn.Module):
         row_offsets: torch.Tensor,    # [B+1]
         positions: torch.Tensor,      # [S]
         cache_lengths: torch.Tensor,  # [B]
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # new residual [S, H], latent delta [S, W]
+        select: torch.Tensor | None = None,  # [R] rows whose new residual is wanted (None: all S)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # new residual [S or R, H], latent delta [S, W]
         attn, kv_new = self.self_attn(self.input_layernorm(h), past, rope, row_offsets, positions, cache_lengths)
         h = h + attn
+        if select is not None:           # the MLP / MoE is per row: only the selected rows need it
+            h = h.index_select(0, select)
         return h + self.mlp(self.post_attention_layernorm(h)), kv_new
 
 

@@ -124,15 +124,18 @@ class Eagle3Drafter(PagedDrafter):
         """captured [M, 3, H_t] (target layer outputs, pre-norm) -> fc -> [M, H]; the final-normed hidden is unused."""
         return self.fc(captured.flatten(1))
 
-    def forward(self, batch: DraftBatch, cache: tuple[torch.Tensor, ...]
+    def forward(self, batch: DraftBatch, cache: tuple[torch.Tensor, ...], select: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """-> carry h' [N, H] (or [S, H] at the rows `select` [S] names), head input h', (draft KV [N, 1, Wd],)."""
         h = batch.hidden                                                                 # [N, H]
         normed = self.hidden_norm(h)
         x = torch.cat([self.input_layernorm(self.embed_tokens(batch.tokens)), normed], dim=-1)  # [N, 2H]
         attn, kv = self.self_attn.attend(x, batch.positions, cache[0][0], batch.row_offsets,
                                          batch.cache_lengths)                           # [N, H], [N, Wd]
         h = (normed if self.config.norm_before_residual else h) + attn
-        h = h + self.mlp(self.post_attention_layernorm(h))                              # [N, H] pre-norm
+        if select is not None:           # the rest is per row: only the selected rows need it
+            h = h.index_select(0, select)                                               # [S, H]
+        h = h + self.mlp(self.post_attention_layernorm(h))                              # pre-norm
         return h, h, (kv[:, None],)
 
     def logits(self, head_in: torch.Tensor) -> torch.Tensor:

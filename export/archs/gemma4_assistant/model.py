@@ -200,8 +200,10 @@ class Gemma4Assistant(Drafter):
                      positions: torch.Tensor) -> tuple[PagedKV, ...]:
         return cache                                           # Q-only layers write nothing
 
-    def forward(self, batch: DraftBatch, cache: tuple[PagedKV | torch.Tensor, ...]
+    def forward(self, batch: DraftBatch, cache: tuple[PagedKV | torch.Tensor, ...], select: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """-> carry [N, H], head input [N, Hd] (the row's one query, at each of its merged positions), (); with
+        `select` (each row's last merged index, [B]) just the rows' [B, H] and [B, Hd]."""
         anchor = anchor_tokens(batch)                                                   # [B]
         embedded = self.target_embed(batch.tokens.index_select(0, anchor))              # [B, H]
         embedded = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)     # rounded as the target does
@@ -214,6 +216,8 @@ class Gemma4Assistant(Drafter):
             x = layer(x, *rope[layer.layer_type], kv[layer.layer_type], committed)
         head_in = self.norm(x)                                                          # [B, Hd]
         carry = self.post_projection(head_in)                                           # [B, H]
+        if select is not None:
+            return carry, head_in, ()
         rows = row_ids_of(batch.row_offsets, batch.tokens.shape[0])                     # [N]
         # index_select: a plain Gather on axis 0 (advanced indexing would export as GatherND).
         return carry.index_select(0, rows), head_in.index_select(0, rows), ()

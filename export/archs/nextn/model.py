@@ -79,14 +79,15 @@ class NextNDrafter(PagedDrafter):
     def feature(self, hidden: torch.Tensor, captured: torch.Tensor) -> torch.Tensor:
         return hidden                                                                   # [M, H] final-normed
 
-    def forward(self, batch: DraftBatch, cache: tuple[torch.Tensor, ...]
+    def forward(self, batch: DraftBatch, cache: tuple[torch.Tensor, ...], select: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-        """-> carry h' [N, H], head input h' [N, H], (latent rows [N, 1, W],) for the draft pool."""
+        """-> carry h' [N, H] (or [S, H] at the rows `select` [S] names), head input h', (latent rows [N, 1, W],)
+        for the draft pool."""
         embedded = self.embed_tokens(batch.tokens)                                     # [N, H]
         pair = torch.cat([self.enorm(embedded), self.hnorm(batch.hidden.to(embedded.dtype))], dim=-1)  # [N, 2H]
         past = cache[0]                                                                 # [1, B, P, W]
         h, latent = self.block(self.eh_proj(pair), past[0], self.rope(batch.positions), batch.row_offsets,
-                               batch.positions, batch.cache_lengths)                   # [N, H], [N, W]
+                               batch.positions, batch.cache_lengths, select=select)    # [N or S, H], [N, W]
         return h, h, (latent[:, None].to(past.dtype),)
 
     def logits(self, head_in: torch.Tensor) -> torch.Tensor:                          # [N, H] -> [N, V]

@@ -119,6 +119,27 @@ def _recomputed_draft_kv(step: SequentialStep, sequence: list[int], length: int)
     return rows[:, 0]                                                                  # [length, Wd]
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_selected_rows_are_the_rows_of_the_full_output(checkpoints, case: str) -> None:
+    """`select` (the step's first draft reads each row's last accepted position only) gives the carry and
+    head input of those rows as the unselected call has them, and the same draft KV for every row."""
+    step, length = _spec(checkpoints, case, 3), 6
+    tokens, positions = torch.arange(3, 3 + length + 1), torch.arange(length)
+    offsets, empty = torch.tensor([0, length]), torch.zeros(1, dtype=torch.int64)
+    pools = [torch.zeros(1, layers, 4, width) for layers, width in step.target.pool_shapes().values()]
+    with torch.no_grad():
+        _, hidden, captured, *_ = step.target(tokens[:-1], offsets, positions, empty, empty[None], *pools)
+        batch = DraftBatch(tokens[1:], step.drafter.feature(hidden, captured), positions, offsets, empty,
+                           torch.tensor([length]))
+        cache = (torch.zeros(1, 1, 4, step.drafter.config.kv_width),)
+        carry, head_in, (rows,) = step.drafter(batch, cache)
+        select = torch.tensor([4, 1])
+        carry_s, head_in_s, (rows_s,) = step.drafter(batch, cache, select=select)
+    torch.testing.assert_close(carry_s, carry[select], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(head_in_s, head_in[select], rtol=1e-6, atol=1e-6)
+    assert torch.equal(rows_s, rows)
+
+
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("case", list(CASES))
 def test_lossless_injected_drafts_and_exact_draft_kv(checkpoints, baselines, case: str, k: int) -> None:

@@ -33,8 +33,9 @@ class UselessDrafter(PagedDrafter):
     def feature(self, hidden: torch.Tensor, captured: torch.Tensor) -> torch.Tensor:
         return hidden
 
-    def forward(self, batch: DraftBatch, cache: tuple[torch.Tensor, ...]):
-        return batch.hidden, batch.hidden, (batch.hidden[:, None, :4],)
+    def forward(self, batch: DraftBatch, cache: tuple[torch.Tensor, ...], select: torch.Tensor | None = None):
+        out = batch.hidden if select is None else batch.hidden.index_select(0, select)
+        return out, out, (batch.hidden[:, None, :4],)
 
     def logits(self, head_in: torch.Tensor) -> torch.Tensor:
         return self.head(head_in)
