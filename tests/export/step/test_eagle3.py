@@ -104,9 +104,9 @@ class Recorder:
         return self.step.run(feeds)
 
 
-def _recomputed_draft_kv(step: SequentialStep, sequence: list[int], length: int) -> torch.Tensor:
-    """Draft KV of positions 0..length-1 from one prefill of the target over the committed sequence:
-    position j pairs token j+1 with the target's taps at j (the shift), no cache involved."""
+def _prefill_batch(step: SequentialStep, sequence: list[int], length: int) -> tuple[DraftBatch, tuple[torch.Tensor]]:
+    """The drafter's batch over positions 0..length-1 of one prefill of the target (position j pairs token j+1
+    with the target's taps at j: the shift) and an empty draft cache."""
     tokens, positions = torch.tensor(sequence[: length + 1]), torch.arange(length)
     offsets, empty = torch.tensor([0, length]), torch.zeros(1, dtype=torch.int64)
     pools = [torch.zeros(1, layers, 4, width) for layers, width in step.target.pool_shapes().values()]
@@ -114,8 +114,14 @@ def _recomputed_draft_kv(step: SequentialStep, sequence: list[int], length: int)
         _, hidden, captured, *_ = step.target(tokens[:-1], offsets, positions, empty, empty[None], *pools)
         batch = DraftBatch(tokens[1:], step.drafter.feature(hidden, captured), positions, offsets, empty,
                            torch.tensor([length]))
-        cache = (torch.zeros(1, 1, 4, step.drafter.config.kv_width),)
-        _, _, (rows,) = step.drafter(batch, cache)
+    return batch, (torch.zeros(1, 1, 4, step.drafter.config.kv_width),)
+
+
+def _recomputed_draft_kv(step: SequentialStep, sequence: list[int], length: int) -> torch.Tensor:
+    """Draft KV of positions 0..length-1 from one prefill of the target over the committed sequence, no cache
+    involved."""
+    with torch.no_grad():
+        _, _, (rows,) = step.drafter(*_prefill_batch(step, sequence, length))
     return rows[:, 0]                                                                  # [length, Wd]
 
 
@@ -123,15 +129,9 @@ def _recomputed_draft_kv(step: SequentialStep, sequence: list[int], length: int)
 def test_selected_rows_are_the_rows_of_the_full_output(checkpoints, case: str) -> None:
     """`select` (the step's first draft reads each row's last accepted position only) gives the carry and
     head input of those rows as the unselected call has them, and the same draft KV for every row."""
-    step, length = _spec(checkpoints, case, 3), 6
-    tokens, positions = torch.arange(3, 3 + length + 1), torch.arange(length)
-    offsets, empty = torch.tensor([0, length]), torch.zeros(1, dtype=torch.int64)
-    pools = [torch.zeros(1, layers, 4, width) for layers, width in step.target.pool_shapes().values()]
+    step = _spec(checkpoints, case, 3)
+    batch, cache = _prefill_batch(step, list(range(3, 10)), 6)
     with torch.no_grad():
-        _, hidden, captured, *_ = step.target(tokens[:-1], offsets, positions, empty, empty[None], *pools)
-        batch = DraftBatch(tokens[1:], step.drafter.feature(hidden, captured), positions, offsets, empty,
-                           torch.tensor([length]))
-        cache = (torch.zeros(1, 1, 4, step.drafter.config.kv_width),)
         carry, head_in, (rows,) = step.drafter(batch, cache)
         select = torch.tensor([4, 1])
         carry_s, head_in_s, (rows_s,) = step.drafter(batch, cache, select=select)
