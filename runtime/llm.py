@@ -56,6 +56,19 @@ class _Tracker:
     output: RequestOutput | None = None
 
 
+class _Trackers(dict):
+    """request id -> _Tracker, and the engine's listener that fills them."""
+
+    def on_update(self, request_id: Hashable, token_ids: list[int], text: str, output: RequestOutput | None) -> None:
+        tracker = self.get(request_id)
+        if tracker is not None:
+            tracker.token_ids.extend(token_ids)
+            if text:
+                tracker.text.append(text)
+            if output is not None:
+                tracker.output = output
+
+
 class LLM:
     def __init__(self, artifact_dir: str | Path, backend: str = "ort", *, num_blocks: int | None = None,
                  kv_memory_bytes: int | None = None, max_model_len: int | None = None,
@@ -78,14 +91,16 @@ class LLM:
         self.num_blocks = num_blocks = _pool_blocks(m, num_blocks, kv_memory_bytes, max_model_len)
         self.tokenizer = TextTokenizer.from_dir(self.artifact_dir)
         self.backend = load_backend(backend, self.artifact_dir, m, num_blocks=num_blocks, **backend_options)
+        # the engine's listener is the trackers' method, not this LLM's: no cycle through the engine, so an LLM
+        # let go of frees its sessions and pools at once, not at the cyclic collector's next pass
+        self._trackers = _Trackers()
         grammars = None if self.tokenizer is None else \
             GrammarCompiler(self.tokenizer.backend, m.vocab_size, m.tokenizer.eos_token_ids)
         self.engine = Engine(self.backend, eos_token_ids=m.tokenizer.eos_token_ids,
                              detokenize=self.tokenizer.decode if self.tokenizer is not None else None,
                              prefill_chunk=prefill_chunk, max_model_len=max_model_len, grammars=grammars,
-                             listener=self._on_update, speculation=speculation)
+                             listener=self._trackers.on_update, speculation=speculation)
         self._lock = RLock()
-        self._trackers: dict[Hashable, _Tracker] = {}
         # ids of streams collected unread: cancelled by the next caller under the lock (a finalizer may run
         # in the middle of a step, where cancelling is not safe)
         self._abandoned: deque[Hashable] = deque()
@@ -156,15 +171,6 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages)
 
     # --- the shared engine ----------------------------------------------------------------------------------
-
-    def _on_update(self, request_id: Hashable, token_ids: list[int], text: str, output: RequestOutput | None) -> None:
-        tracker = self._trackers.get(request_id)
-        if tracker is not None:
-            tracker.token_ids.extend(token_ids)
-            if text:
-                tracker.text.append(text)
-            if output is not None:
-                tracker.output = output
 
     def _drive(self, done: Callable[[], bool]) -> None:
         """Run steps (for everyone's requests) until `done()` holds."""

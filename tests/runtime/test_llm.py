@@ -1,13 +1,16 @@
 """LLM: strings, id lists and chats in, tokens + text + metrics out; stop conditions; pool sizing; one-line
 errors for bad requests (after which the LLM still serves) and for damaged artifacts; streaming (text as
 it is committed, never a stop string; breaking out cancels); several threads at once; relaxed thinking
-only on request; a failing step fails the call and leaves nothing behind."""
+only on request; a failing step fails the call and leaves nothing behind; an LLM let go frees its backend at
+once."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import threading
+import weakref
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -318,6 +321,21 @@ class Failing:
 
     def commit(self, outputs, slots, rows) -> None:
         self.inner.commit(outputs, slots, rows)
+
+
+def test_an_llm_let_go_frees_its_backend_at_once(artifact) -> None:
+    """Nothing of the LLM's own refers back to it (the engine's listener is its trackers'), so dropping the
+    last reference frees its sessions and pools then, not at the cyclic collector's next pass."""
+    gc.disable()
+    try:
+        llm = LLM(artifact, num_blocks=16)
+        llm.generate(["ab"], GREEDY)
+        assert [t for chunk in llm.stream([4, 5, 6], GREEDY) for t in chunk]
+        gone, backend = weakref.ref(llm), weakref.ref(llm.backend)
+        del llm
+        assert gone() is None and backend() is None
+    finally:
+        gc.enable()
 
 
 def test_a_failing_step_fails_the_call_and_the_llm_keeps_serving(artifact) -> None:
