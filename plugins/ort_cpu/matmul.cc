@@ -73,7 +73,14 @@ struct Packed {
   ~Packed() { std::free(data); }
   template <typename W>
   const W* panel(int64_t p) const { return static_cast<const W*>(data) + p * k * kPanel; }
+  size_t bytes() const { return (half ? sizeof(uint16_t) : sizeof(float)) * panels * k * kPanel; }
 };
+
+// The weight's value that goes to output column `col` at reduction index `kk` (w is [n, k] with trans_b,
+// else [k, n]).
+inline float weight_at(const float* w, int64_t n, int64_t k, bool trans_b, int64_t col, int64_t kk) {
+  return trans_b ? w[col * k + kk] : w[kk * n + col];
+}
 
 // float16 <-> float32 for packing and for the portable loop; the SIMD paths widen with F16C's vcvtph2ps,
 // which gives the same float for every half.
@@ -340,7 +347,7 @@ void fill_panels(const float* w, int64_t n, int64_t k, bool trans_b, Packed* pac
     for (int64_t kk = 0; kk < k; ++kk) {
       for (int64_t j = 0; j < cols; ++j) {
         const int64_t col = p * kPanel + j;
-        const float v = trans_b ? w[col * k + kk] : w[kk * n + col];
+        const float v = weight_at(w, n, k, trans_b, col, kk);
         if constexpr (std::is_same_v<W, float>) {
           panel[kk * kPanel + j] = v;
         } else {
@@ -359,8 +366,7 @@ std::shared_ptr<const Packed> pack(const float* w, int64_t n, int64_t k, bool tr
   packed->k = k;
   packed->panels = (n + kPanel - 1) / kPanel;
   packed->half = all_half(w, n * k);
-  const size_t bytes = (packed->half ? sizeof(uint16_t) : sizeof(float)) * packed->panels * k * kPanel;
-  packed->data = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  packed->data = std::aligned_alloc(64, (packed->bytes() + 63) / 64 * 64);
   if (packed->data == nullptr) {
     *status = fail("PackedLinear: out of memory packing a [" + std::to_string(n) + ", " + std::to_string(k) +
                    "] weight");
@@ -380,7 +386,7 @@ bool holds(const Packed& packed, const float* w, bool trans_b) {
   for (int64_t col = 0; col < n; ++col) {
     const W* panel = packed.panel<W>(col / kPanel) + col % kPanel;
     for (int64_t kk = 0; kk < k; ++kk) {
-      const float held = widen(panel[kk * kPanel]), given = trans_b ? w[col * k + kk] : w[kk * n + col];
+      const float held = widen(panel[kk * kPanel]), given = weight_at(w, n, k, trans_b, col, kk);
       if (std::memcmp(&held, &given, sizeof(float)) != 0) return false;
     }
   }
@@ -505,7 +511,6 @@ extern "C" __attribute__((visibility("default"))) int64_t unispec_packed_linear_
   std::lock_guard<std::mutex> lock(g_cache_mutex);
   int64_t bytes = 0;
   for (const Entry& e : g_cache)
-    if (auto packed = e.packed.lock())
-      bytes += (packed->half ? 2 : 4) * packed->panels * packed->k * kPanel;
+    if (auto packed = e.packed.lock()) bytes += static_cast<int64_t>(packed->bytes());
   return bytes;
 }
