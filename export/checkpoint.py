@@ -30,6 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from export.config import HFFields, check, read_config_json
+from export.hub import resolve_checkpoint
 from runtime.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -257,10 +258,12 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
     @classmethod
     def open(cls, path: str | Path, *, dtype: torch.dtype | None = None) -> Checkpoint:
-        """Read config.json and the weight file headers/index; no tensor data is read here."""
-        root = Path(path)
-        if not root.is_dir():
-            raise CheckpointError(f"{root}: not a directory; point at a Hugging Face checkpoint directory")
+        """Read config.json and the weight file headers/index; no tensor data is read here.
+
+        `path` is a checkpoint directory or a hub id `org/name[@revision]` found in (or, online, fetched
+        into) the Hugging Face cache; a directory of the same spelling wins (export/hub.py).
+        """
+        root = resolve_checkpoint(path)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise CheckpointError(f"{root}: dtype must be a floating torch dtype (or None), got {dtype!r}")
         config = read_config_json(root)

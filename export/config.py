@@ -117,3 +117,42 @@ def read_config_json(checkpoint_dir: str | Path) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise ConfigError(f"{path}: must hold a JSON object; fix or re-download it")
     return d
+
+
+# `--dtype auto`: the config's own dtype name -> the export dtype. float64 is absent on purpose: exporting it
+# as float32 silently halves precision, so the user says so with an explicit --dtype.
+AUTO_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+               "float": "float32"}
+# An FP8-quantized checkpoint (export/checkpoint.py dequantizes it while reading) exports in the dtype it was
+# quantized from, which its config's dtype field records (DeepSeek-V3: bfloat16). A config that names an FP8
+# type there instead gets bfloat16, the dtype DeepSeek's own inference dequantizes its block-FP8 weights to.
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+FP8_FALLBACK = "bfloat16"
+DEFAULT_DTYPE = "float32"
+
+
+def checkpoint_dtype(config: Mapping[str, Any], *, what: str = "config.json") -> str:
+    """The export dtype `--dtype auto` picks: the config's `dtype` (transformers >= 4.56) or `torch_dtype`
+    field, else its `text_config`'s (multimodal wrappers); float32 when no field names one."""
+    for fields in (config, config.get("text_config")):
+        if not isinstance(fields, Mapping):
+            continue
+        for field in ("dtype", "torch_dtype"):
+            name = fields.get(field)
+            if name is None:
+                continue
+            plain = name.removeprefix("torch.") if isinstance(name, str) else name
+            if plain in AUTO_DTYPES:
+                return AUTO_DTYPES[plain]
+            if plain in FP8_DTYPES:
+                return FP8_FALLBACK
+            raise ConfigError(f"{what}: --dtype auto cannot export field '{field}' = {name!r}; pass --dtype "
+                              "float32, float16 or bfloat16")
+    return DEFAULT_DTYPE
+
+
+def resolve_dtype(dtype: str, checkpoint_dir: str | Path) -> str:
+    """`dtype` itself, or for "auto" the target checkpoint's own dtype (read from its config.json)."""
+    if dtype != "auto":
+        return dtype
+    return checkpoint_dtype(read_config_json(checkpoint_dir), what=str(Path(checkpoint_dir) / "config.json"))

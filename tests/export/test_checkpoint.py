@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 import export.checkpoint as checkpoint_module
 from export.checkpoint import Checkpoint, MissingTensorError
+from export.config import checkpoint_dtype, resolve_dtype
 from runtime.errors import CheckpointError, ConfigError
 
 FP8_CONFIG = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -273,3 +274,30 @@ def test_missing_config_json(tmp_path: Path) -> None:
     save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ConfigError, match="config.json"):
         Checkpoint.open(tmp_path)
+
+
+# --- `--dtype auto`: the checkpoint's own dtype (export/config.py) --------------------------------------------
+
+@pytest.mark.parametrize(("config", "dtype"), [
+    ({"torch_dtype": "bfloat16"}, "bfloat16"), ({"torch_dtype": "float16"}, "float16"),
+    ({"torch_dtype": "float32"}, "float32"), ({"dtype": "bfloat16"}, "bfloat16"),       # transformers >= 4.56
+    ({"dtype": "float16", "torch_dtype": "float32"}, "float16"), ({"torch_dtype": "torch.float16"}, "float16"),
+    ({"text_config": {"dtype": "bfloat16"}}, "bfloat16"), ({}, "float32"), ({"torch_dtype": None}, "float32"),
+    ({**FP8_CONFIG, "torch_dtype": "bfloat16"}, "bfloat16"),          # FP8: the dtype it was quantized from
+    ({**FP8_CONFIG, "torch_dtype": "float8_e4m3fn"}, "bfloat16"), ({**FP8_CONFIG}, "float32"),
+])
+def test_dtype_auto_reads_the_config_dtype(config: dict, dtype: str) -> None:
+    assert checkpoint_dtype(config) == dtype
+
+
+def test_dtype_auto_refuses_a_dtype_it_cannot_export(tmp_path: Path) -> None:
+    _config(tmp_path, torch_dtype="float64")
+    with pytest.raises(ConfigError, match=r"config\.json: --dtype auto cannot export field 'torch_dtype' = "
+                                          r"'float64'; pass --dtype float32"):
+        resolve_dtype("auto", tmp_path)
+
+
+def test_resolve_dtype_reads_config_only_for_auto(tmp_path: Path) -> None:
+    _config(tmp_path, torch_dtype="bfloat16")
+    assert resolve_dtype("auto", tmp_path) == "bfloat16"
+    assert resolve_dtype("float16", tmp_path / "absent") == "float16"      # an explicit dtype reads nothing
