@@ -1,37 +1,53 @@
 """unispec's native ONNX Runtime CPU kernels (domain `unispec.cpu`), compiled on this machine on first use.
 
     library_path()         -> the shared library to pass to SessionOptions.register_custom_ops_library
+    isa()                  -> the instruction-set variant that library is built for (variants.py)
     packed_linear_bytes()  -> what that library's PackedLinear kernels hold packed in this process
 
 Ops: PagedAttentionPool / PagedAttentionPoolRows (paged_attention.cc), SpecAccept and SampleDraft
 (spec_accept.cc), PackedLinear (matmul.cc); register.cc adds them all to the domain. The sources (*.cc,
 kernel.h, ort_abi.h) ship with the package; the library is built with the system's C++ compiler (`$CXX`,
-else c++/g++) into a cache folder keyed by the sources, the flags and this machine's CPU, so a changed
-source or another CPU builds anew and a concurrent build never leaves a half-written file.
-`make install` builds it once; ONNX Runtime itself is not needed to compile (see ort_abi.h).
+else c++/g++) once per ISA variant (avx512, avx2, portable: chosen at run time by the CPU's flags) into a
+cache folder keyed by the sources, the flags and the variant. A build stamp written last beside each library
+holds its size and sha256 and is checked before every hand-out: a truncated, foreign or half-written file is
+rebuilt, never loaded. A cache that cannot be written (a read-only home, a path through a file) gets a
+build in a temporary folder for this process, with one warning. `make install` builds it once; ONNX
+Runtime itself is not needed to compile (see ort_abi.h).
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
+
+from plugins.ort_cpu import variants
+from plugins.ort_cpu.variants import IsaError
+
+__all__ = ["DOMAIN", "BuildError", "IsaError", "build", "cache_dir", "compiler", "isa", "library_path",
+           "packed_linear_bytes"]
 
 DOMAIN = "unispec.cpu"
 SOURCES = ("paged_attention.cc", "spec_accept.cc", "matmul.cc", "register.cc", "kernel.h", "ort_abi.h")
 FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 # glibc's vector math library: the sampling kernels' float64 exp, four lanes at a time on AVX2 (spec_accept.cc)
 VECTOR_MATH = ("-DUNISPEC_MVEC", "-lmvec") if sys.platform == "linux" and platform.machine() == "x86_64" else ()
+LIBRARY = "libunispec_ort_cpu.so"
+STAMP = LIBRARY + ".stamp"          # JSON: variant, size, sha256 of the library beside it
 _HERE = Path(__file__).resolve().parent
+_process_dir: Path | None = None    # where this process builds when the cache cannot be written
 
 
 class BuildError(RuntimeError):
-    """The library cannot be built on this machine (no compiler, or the compiler failed)."""
+    """The library cannot be built on this machine (no compiler, the compiler failed, nowhere to write it)."""
 
 
 def cache_dir() -> Path:
@@ -49,14 +65,10 @@ def compiler() -> str | None:
     return None
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def isa() -> str:
+    """The variant this process's kernels run (avx512, avx2 or portable): $UNISPEC_ORT_CPU_ISA when this CPU
+    can run it (IsaError when it cannot), else the widest this CPU's flags allow."""
+    return variants.current().name
 
 
 def packed_linear_bytes(library: Path) -> int:
@@ -70,29 +82,99 @@ def packed_linear_bytes(library: Path) -> int:
     return int(counter())
 
 
-def library_path(march: str = "native") -> Path:
-    """The built library, compiling it first when this source/flags/CPU has no build yet. `march` is the
-    compiler's -march: this machine's CPU, or (tests of the kernels' portable paths) an older one."""
+def library_path(variant: str | None = None) -> Path:
+    """The verified library of `variant` (default: isa()), built first when there is none or the one cached
+    does not match its stamp. A variant this CPU cannot run is refused (IsaError): its library is never
+    handed out to be loaded."""
+    chosen = variants.current() if variant is None else variants.choose(variants.cpu_flags(),
+                                                                         platform.machine(), variant)
+    return build(chosen.name)
+
+
+def build(variant: str) -> Path:
+    """The verified library of `variant` whether or not this CPU can run it (a compile check), built when the
+    cache has no library matching its stamp; BuildError when it cannot be built."""
+    chosen = variants.by_name(variant)
     cxx = compiler()
-    flags = (*FLAGS, f"-march={march}")
-    key = hashlib.sha256()
-    for name in SOURCES:
-        key.update((_HERE / name).read_bytes())
-    key.update(" ".join((cxx or "", *flags, *VECTOR_MATH, platform.machine(), _cpu_model())).encode())
-    target = cache_dir() / "ort_cpu" / key.hexdigest()[:16] / "libunispec_ort_cpu.so"
-    if target.is_file():
-        return target
+    flags = (*FLAGS, *chosen.flags)
+    folder = Path(f"{chosen.name}-{_key(cxx, flags, chosen.name)}")
+    cache = cache_dir() / "ort_cpu"
+    if _verified(cache / folder / LIBRARY, chosen.name):
+        return cache / folder / LIBRARY
     if cxx is None:
         raise BuildError("unispec's ONNX Runtime CPU kernels need a C++ compiler to build once; install g++ "
                          "(or set CXX)")
+    try:
+        return _compile(cxx, flags, chosen.name, cache / folder / LIBRARY)
+    except OSError as exc:         # the cache cannot be written: build where this process can
+        unwritable = f"{cache} ({exc.strerror or type(exc).__name__})"
+    return _build_privately(cxx, flags, chosen.name, folder, unwritable)
+
+
+def _key(cxx: str | None, flags: tuple[str, ...], variant: str) -> str:
+    """The build's identity: sources, compiler, flags and the ISA it targets (not the CPU that built it)."""
+    key = hashlib.sha256()
+    for name in SOURCES:
+        key.update((_HERE / name).read_bytes())
+    key.update(" ".join((cxx or "", *flags, *VECTOR_MATH, platform.machine(), variant)).encode())
+    return key.hexdigest()[:16]
+
+
+def _stamp(library: Path, variant: str) -> dict[str, object]:
+    data = library.read_bytes()
+    return {"variant": variant, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _verified(library: Path, variant: str) -> bool:
+    """Whether `library` is the whole file its stamp describes, built for `variant`. Checked before every
+    hand-out because loading a truncated library dies of SIGBUS, and one of a wider ISA of SIGILL."""
+    try:
+        stamp = json.loads((library.parent / STAMP).read_text())
+        if not isinstance(stamp, dict) or stamp.get("size") != library.stat().st_size:
+            return False
+        return stamp == _stamp(library, variant)
+    except (OSError, ValueError):
+        return False
+
+
+def _compile(cxx: str, flags: tuple[str, ...], variant: str, target: Path) -> Path:
+    """Builds into a temporary folder beside `target`, then moves the library and, last, its stamp into
+    place, each atomically: a concurrent build's files are as good as ours, and a build cut short leaves a
+    library without a matching stamp, which the next call rebuilds. OSError: the folder cannot be written."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         units = [str(_HERE / name) for name in SOURCES if name.endswith(".cc")]
-        result = subprocess.run([cxx, *flags, "-o", str(built), *units, *VECTOR_MATH],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
+        try:
+            result = subprocess.run([cxx, *flags, "-o", str(built), *units, *VECTOR_MATH],
+                                    capture_output=True, text=True)
+        except OSError as exc:     # the compiler itself would not start: not the cache's fault
+            raise BuildError(f"cannot run the C++ compiler {cxx}: {exc.strerror or exc}") from None
+        if result.returncode != 0 or not built.is_file():
             last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
             raise BuildError(f"building unispec's ONNX Runtime CPU kernels with {cxx} failed: {last}")
-        os.replace(built, target)               # atomic: a concurrent build's file is as good as ours
+        stamp = Path(tmp) / STAMP
+        stamp.write_text(json.dumps(_stamp(built, variant)))
+        os.replace(built, target)
+        os.replace(stamp, target.parent / STAMP)
+    return target
+
+
+def _build_privately(cxx: str, flags: tuple[str, ...], variant: str, folder: Path, unwritable: str) -> Path:
+    """The build in this process's own temporary folder (removed at exit), with one warning when made."""
+    global _process_dir
+    try:
+        if _process_dir is None:
+            _process_dir = Path(tempfile.mkdtemp(prefix="unispec-ort-cpu-"))
+            atexit.register(shutil.rmtree, _process_dir, ignore_errors=True)
+        target = _process_dir / folder / LIBRARY
+        if _verified(target, variant):
+            return target
+        _compile(cxx, flags, variant, target)
+    except OSError as exc:
+        raise BuildError(f"cannot write unispec's kernel cache {unwritable} nor a temporary folder "
+                         f"({exc.strerror or type(exc).__name__}); set UNISPEC_CACHE to a writable folder") from None
+    warnings.warn(f"cannot write unispec's kernel cache {unwritable}; built the ONNX Runtime CPU kernels in "
+                  f"{target.parent} for this process only: set UNISPEC_CACHE to a writable folder to keep them",
+                  stacklevel=2)
     return target

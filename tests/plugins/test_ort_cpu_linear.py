@@ -23,10 +23,10 @@ RNG = np.random.default_rng(7)
 
 
 def session(model: onnx.ModelProto, threads: int = 1, path: Path | None = None,
-            march: str = "native") -> ort.InferenceSession:
+            variant: str | None = None) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    options.register_custom_ops_library(str(ort_cpu.library_path(march)))
+    options.register_custom_ops_library(str(ort_cpu.library_path(variant)))
     if path is not None:                 # weights in an external file, mapped by ORT as an artifact's are
         onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=0)
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -70,15 +70,15 @@ def test_equals_the_product_for_every_row_count(n, k, trans_b) -> None:
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86-64 paths; other CPUs build the portable one natively")
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
-def test_the_avx2_and_portable_builds_give_the_product(march) -> None:
+@pytest.mark.parametrize("variant", ["avx2", "portable"])
+def test_the_avx2_and_portable_builds_give_the_product(variant) -> None:
     """The library built for an AVX2 CPU (3-row tiles of 4 ymm) and for any x86-64 (the plain loop)."""
     for trans_b, (n, k) in ((1, (70, 33)), (0, (40, 300))):
         w = RNG.standard_normal((n, k) if trans_b else (k, n), dtype=np.float32)
-        s = session(linear_model([w], trans_b), march=march)
+        s = session(linear_model([w], trans_b), variant=variant)
         for rows in (1, 2, 3, 4, 8, 17, 40):
             x = RNG.standard_normal((rows, k), dtype=np.float32)
-            assert close(s.run(None, {"x": x})[0], product(x, w, trans_b)), (march, n, k, rows)
+            assert close(s.run(None, {"x": x})[0], product(x, w, trans_b)), (variant, n, k, rows)
 
 
 def half_exact(shape: tuple[int, int]) -> np.ndarray:
@@ -91,27 +91,27 @@ def half_exact(shape: tuple[int, int]) -> np.ndarray:
     return w
 
 
-@pytest.mark.parametrize("march", ["native", "x86-64-v3", "x86-64"] if platform.machine() == "x86_64" else ["native"])
-def test_a_float16_weight_is_packed_at_half_the_bytes_with_the_same_sums(march) -> None:
+@pytest.mark.parametrize("variant", [None, "avx2", "portable"] if platform.machine() == "x86_64" else [None])
+def test_a_float16_weight_is_packed_at_half_the_bytes_with_the_same_sums(variant) -> None:
     """Every value a float16 (a float16 drafter exported as float32): packed as float16, 2 bytes a value, and
     each output bit-equal to what float32 panels give (the same weight with one more column that is no
     float16 is packed as float32: its first n columns are the same sums in the same order)."""
-    library = ort_cpu.library_path(march)
+    library = ort_cpu.library_path(variant)
     for trans_b, (n, k) in ((1, (70, 33)), (1, (256, 128)), (0, (40, 300))):
         w = half_exact((n, k) if trans_b else (k, n))
         extra = RNG.standard_normal((1, k) if trans_b else (k, 1), dtype=np.float32) * np.float32(1 + 2 ** -20)
         wide = np.concatenate([w, extra], axis=0 if trans_b else 1)
         before = ort_cpu.packed_linear_bytes(library)
-        half, single = session(linear_model([w], trans_b), march=march), session(linear_model([wide], trans_b),
-                                                                                    march=march)
+        half, single = session(linear_model([w], trans_b), variant=variant), session(linear_model([wide], trans_b),
+                                                                                      variant=variant)
         values = (n + 31) // 32 * 32 * k, (n + 1 + 31) // 32 * 32 * k                 # packed values, panels padded
-        assert ort_cpu.packed_linear_bytes(library) - before == 2 * values[0] + 4 * values[1], (march, n, k)
+        assert ort_cpu.packed_linear_bytes(library) - before == 2 * values[0] + 4 * values[1], (variant, n, k)
         for rows in (1, 2, 3, 4, 8, 17, 40):
             x = RNG.standard_normal((rows, k), dtype=np.float32)
             (y,), (y_wide,) = half.run(None, {"x": x}), single.run(None, {"x": x})
-            assert np.array_equal(y, y_wide[:, :n]) and close(y, product(x, w, trans_b)), (march, n, k, rows)
+            assert np.array_equal(y, y_wide[:, :n]) and close(y, product(x, w, trans_b)), (variant, n, k, rows)
         (unit,) = half.run(None, {"x": np.eye(k, dtype=np.float32)})           # each value alone, the edges too
-        assert np.array_equal(unit, w.T if trans_b else w), (march, n, k)
+        assert np.array_equal(unit, w.T if trans_b else w), (variant, n, k)
         del half, single                  # their packed copies go with them, before the next count
 
 
