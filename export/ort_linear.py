@@ -7,7 +7,7 @@ Why: a decode or verify step multiplies a few rows by every weight, so at real s
 the weights. ONNX Runtime's MLAS GEMM costs ~1.9x its one-row time at 8 rows (the 1.1B shape), where reading
 the weights once would allow ~1.2x; the packed kernel reads each weight once for up to 8 rows (0.55-0.62x
 MLAS's time at 8 rows for weights of 4 MB and more, 0.72-0.93x at one, on par at a few hundred;
-tests/bench/packed_linear.py, docs/bench/runs/packed-linear/). The weight
+benchmarks/packed_linear.py, docs/notes/cpu-kernels.md). The weight
 stays where it is (the external file, mapped by ONNX Runtime); the kernel packs it once per session.
 
 Batched MatMuls (a MoE's stacked experts, attention's products) are left to ONNX Runtime. model.onnx, which

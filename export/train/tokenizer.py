@@ -22,6 +22,18 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+# The toy tokenizers know no chat header tokens, so chats render as plain text (what `unispec serve`'s chat
+# routes and `unispec run --chat` encode).
+CHAT_TEMPLATE = """{% for message in messages %}
+<|{{ message['role'] }}|>
+{{ message['content'] }}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}
+"""
+
+
 def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     """tokenizer.json + tokenizer_config.json (what transformers and onnxruntime-genai look for)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -29,6 +41,7 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": None, "pad_token": PAD,
               "unk_token": None, "model_max_length": 1024, "clean_up_tokenization_spaces": False}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
 def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
