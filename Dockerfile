@@ -7,7 +7,7 @@
 FROM python:3.11-slim
 
 # g++: the native ONNX Runtime CPU kernels are compiled on first use, for the CPU that runs the container
-# (-march=native), so the compiler ships in the image; the build lands in $UNISPEC_CACHE.
+# (the ISA variant its flags allow), so the compiler ships in the image; the build lands in $UNISPEC_CACHE.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
