@@ -21,7 +21,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,14 +71,16 @@ def load_artifact(artifact_dir: str | Path) -> tuple[Path, Manifest]:
 
 def build_engine(artifact_dir: str | Path, *, recipe: str | Path | Recipe | None = None,
                  timing_cache: str | Path | None = None, flavour: str | None = None,
-                 compute_capabilities: Sequence[str] | None = None) -> Path:
+                 compute_capabilities: Sequence[str] | None = None,
+                 progress: Callable[[str, bool], None] | None = None) -> Path:
     """Build the artifact's TensorRT engine; returns the path of the written `engine.plan`.
 
     `recipe` is a Recipe, a recipe file, a built-in recipe name, or None (engines/recipes/default.toml).
     `timing_cache` is read when it exists and written back (atomically) after the build. `flavour` is
     "tensorrt" or "tensorrt-rtx" (None: the installed one, engines/flavours.py); `compute_capabilities`
     ("sm_86", ...) are TensorRT-RTX's targets, overriding the recipe's. Without TensorRT this raises a
-    one-line BackendUnavailableError after the artifact and recipe have been checked.
+    one-line BackendUnavailableError after the artifact and recipe have been checked. `progress` hears
+    TensorRT's build phases (engines/tensorrt_build.py progress_monitor).
     """
     from engines.tensorrt_build import build_serialized
 
@@ -95,7 +97,7 @@ def build_engine(artifact_dir: str | Path, *, recipe: str | Path | Recipe | None
     targets = chosen.targets(requested or None, gpu)
     started = time.perf_counter()
     result = build_serialized(directory / manifest.model_file, manifest, plan.recipe, plan.shapes, old_cache,
-                              flavour=chosen, targets=targets)
+                              flavour=chosen, targets=targets, progress=progress)
     seconds = time.perf_counter() - started
     if cache_path is not None:
         _write_atomic(cache_path, result.timing_cache)

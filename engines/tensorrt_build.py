@@ -12,6 +12,7 @@
                                                  sources, compute capabilities (TensorRT-RTX: explicit targets)
   builder.create_optimization_profile()          set_shape(name, min, opt, max) per dynamic input
   config.create_timing_cache / set_timing_cache  reused from --timing-cache, serialized back after the build
+  config.progress_monitor = IProgressMonitor     the build's phases, told to `progress` (unispec build's lines)
   builder.build_serialized_network(network, config)
 
 TensorRT-RTX builds without a GPU (CPU-only AOT); TensorRT 11 needs one. The logger keeps TensorRT's error
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,15 +39,17 @@ from runtime.errors import ArtifactError, ConfigError, UnispecError
 from runtime.manifest import Manifest
 
 __all__ = ["PLUGIN_NAMESPACE", "PLUGIN_VERSION", "BuildResult", "build_serialized", "check_graph",
-           "register_plugins"]
+           "progress_monitor", "register_plugins"]
 
 log = logging.getLogger(__name__)
 
 PLUGIN_NAMESPACE, PLUGIN_VERSION = "unispec", "1"     # the attributes every custom node carries (DESIGN.md §4)
 # Warnings logged at debug level only: TensorRT warns once per inlined function call that node names repeat
 # (each call of a reference function reuses the function's node names), hundreds of lines on a real graph;
-# and that int64 inputs/outputs need int64 bindings, which the runtime binds by design.
-_NOISE = re.compile(r"A node named .* already exists|Make sure (input|output) \S+ has Int64 binding")
+# that int64 inputs/outputs need int64 bindings, which the runtime binds by design; and that a contract input
+# goes unused (a `none` step reads no chunk_next_tokens), which every graph takes so the runtime feeds one set.
+_NOISE = re.compile(r"A node named .* already exists|Make sure (input|output) \S+ has Int64 binding"
+                    r"|Unused Input: |is unused or used only at compile-time")
 RE_EXPORT = "re-export the artifact with this unispec (`unispec export`), whose graphs avoid it"
 
 
@@ -99,6 +104,37 @@ def _logger(trt: Any) -> Any:
             log.log(logging.DEBUG if _NOISE.search(message) else level, "TensorRT: %s", message)
 
     return Logger()
+
+
+def progress_monitor(trt: Any, progress: Callable[[str, bool], None], depth: int = 2) -> Any:
+    """A TensorRT IProgressMonitor telling `progress` (what, finished) about the phases `depth` levels deep
+    (deeper ones are TensorRT's inner loops: hundreds of lines). TensorRT calls it from its own threads."""
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self.lock = threading.Lock()
+            self.phases: dict[str, tuple[int, int, float]] = {}     # name -> depth, steps, start
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            with self.lock:
+                level = self.phases[parent_phase][0] + 1 if parent_phase in self.phases else 0
+                self.phases[phase_name] = (level, num_steps, time.perf_counter())
+            if level < depth:
+                progress(f"{phase_name} (0/{num_steps})", False)
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            level, steps, _ = self.phases.get(phase_name, (depth, 0, 0.0))
+            if level < depth:
+                progress(f"{phase_name} ({step + 1}/{steps})", False)
+            return True                                          # False would cancel the build
+
+        def phase_finish(self, phase_name: str) -> None:
+            with self.lock:
+                level, _, started = self.phases.pop(phase_name, (depth, 0, 0.0))
+            if level < depth:
+                progress(f"{'  ' * level}{phase_name}  {time.perf_counter() - started:.1f} s", True)
+
+    return Monitor()
 
 
 def _registered(trt: Any, op: str) -> bool:
@@ -207,8 +243,10 @@ def build_error(flavour: Flavour, version: str, model: Path, targets: tuple[str,
 
 
 def build_serialized(model: Path, manifest: Manifest, recipe: Recipe, shapes: Mapping[str, ShapeRange],
-                     timing_cache: bytes = b"", *, flavour: Flavour, targets: tuple[str, ...]) -> BuildResult:
-    """Check the graph, parse, configure and build; returns the plan and the (updated) timing cache."""
+                     timing_cache: bytes = b"", *, flavour: Flavour, targets: tuple[str, ...],
+                     progress: Callable[[str, bool], None] | None = None) -> BuildResult:
+    """Check the graph, parse, configure and build; returns the plan and the (updated) timing cache.
+    `progress` hears the build's phases where this TensorRT has IProgressMonitor (10+, TensorRT-RTX)."""
     trt = flavour.load()
     check_graph(model)
     logger = _logger(trt)
@@ -230,8 +268,12 @@ def build_serialized(model: Path, manifest: Manifest, recipe: Recipe, shapes: Ma
     if cache is None or not config.set_timing_cache(cache, False):   # False: made by another TensorRT / GPU
         raise ConfigError("the timing cache does not fit this TensorRT version or GPU; pass another "
                           "--timing-cache path (or delete the file) to start a fresh one")
+    monitor = None                              # held until the build returns: TensorRT keeps no reference
+    if progress is not None and hasattr(trt, "IProgressMonitor"):
+        monitor = config.progress_monitor = progress_monitor(trt, progress)
     logger.errors.clear()                       # parse-time errors were all survivable by now
     plan = builder.build_serialized_network(network, config)
+    del monitor
     if plan is None:
         raise UnispecError(build_error(flavour, trt.__version__, model, targets, logger.errors))
     return BuildResult(plan=bytes(plan), timing_cache=bytes(config.get_timing_cache().serialize()),

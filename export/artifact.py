@@ -20,17 +20,26 @@ The graph-file work (external weights, shared tensors, TensorSpecs) lives in exp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from export.onnx_files import op_counts, plugin_ops, save_with_external_weights, tensor_specs, write_ort_graph
+from export.config import resolve_dtype
+from export.hub import resolve_checkpoint
+from export.onnx_files import (
+    op_counts,
+    plugin_ops,
+    quiet_exporter,
+    save_with_external_weights,
+    tensor_specs,
+    write_ort_graph,
+)
 from export.out_dir import plan_out_dir, staging
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ConfigError, ExportError
@@ -47,6 +56,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 THINK_TOKENS = ("<think>", "</think>")
 STAGES = ("read checkpoints", "build step", "trace + export", "write weights", "check graph", "target-only graph",
           "write manifest")
+# what each stage's line says once it is done (progress "lines": logs, pipes, `unispec -v export`)
+STAGES_DONE = ("read checkpoints", "built step", "traced step graph", "wrote weights", "checked graph, ORT graph",
+               "target-only graphs", "wrote manifest")
 EXPORTER_PACKAGES = ("unispec", "torch", "onnx", "onnxscript", "onnxruntime")
 
 
@@ -65,8 +77,8 @@ class ExportSettings:
     target_only: bool = True             # speculative methods: also write the target-only graph
 
     def __post_init__(self) -> None:
-        if self.dtype not in WEIGHT_DTYPES:
-            raise ExportError(f"--dtype {self.dtype!r} is not supported; use one of {', '.join(WEIGHT_DTYPES)}")
+        if self.dtype not in (*WEIGHT_DTYPES, "auto"):
+            raise ExportError(f"--dtype {self.dtype!r} is not supported; use auto or one of {', '.join(WEIGHT_DTYPES)}")
         bounds = [("--block-size", self.block_size, 1, io.MAX_BLOCK_SIZE),
                   ("--max-model-len", self.max_model_len, 2, io.MAX_MODEL_LEN),
                   ("--max-batch-size", self.max_batch_size, 1, io.MAX_BATCH_SIZE),
@@ -99,11 +111,14 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
                  num_speculative_tokens: int | None = None, out_dir: str | Path, dtype: str = "float32",
                  structured_output: bool = False, block_size: int = 16, max_model_len: int = 2048,
                  max_batch_size: int = 16, max_tokens_per_step: int = 512, target_only: bool = True,
-                 progress: bool | None = None, force: bool = False) -> Path:
+                 progress: bool | Literal["bar", "lines"] | None = None, force: bool = False) -> Path:
     """Export a target (+ draft) checkpoint as the artifact directory `out_dir`; returns its path.
+    `dtype` "auto" exports in the dtype the target's config.json names (export/config.py checkpoint_dtype).
 
     Bad combinations (method vs checkpoint families, K vs a DFlash block) fail with one-line errors
-    before anything is written. `progress=None` shows a progress bar when stderr is a terminal.
+    before anything is written. `progress` on stderr: "bar" (rich), "lines" (one line per stage with its
+    seconds), None / True a bar on a terminal and lines elsewhere, False nothing. The exporter's own log
+    lines and warnings are kept off the output (export/onnx_files.py quiet_exporter).
     `target_only` (speculative methods) adds the graph that lets the runtime decode without drafts.
     `out_dir` may hold an earlier artifact (replaced); anything else is refused unless `force`, which
     writes the artifact's files into it and keeps every other file (export/out_dir.py).
@@ -112,9 +127,14 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
                               structured_output=structured_output, block_size=block_size,
                               max_model_len=max_model_len, max_batch_size=max_batch_size,
                               max_tokens_per_step=max_tokens_per_step, target_only=target_only)
-    target_dir, out = Path(target_dir), Path(os.path.abspath(out_dir))   # "." and ".." have no sibling to stage in
+    # flags are checked first, then the checkpoints found (a hub id through the Hugging Face cache, export/hub.py)
+    target_dir = resolve_checkpoint(target_dir)
+    draft_dir = resolve_checkpoint(draft_dir) if draft_dir is not None else None
+    # "auto": the target checkpoint's own dtype (its config.json)
+    settings = dataclasses.replace(settings, dtype=resolve_dtype(settings.dtype, target_dir))
+    out = Path(os.path.abspath(out_dir))      # "." and ".." have no sibling to stage in
     plan = plan_out_dir(out, force)
-    with _Stages(progress) as stages:
+    with quiet_exporter(), _Stages(progress) as stages:
         stages.start("read checkpoints")
         sources = _read_sources(target_dir, draft_dir)
         stages.start("build step")
@@ -129,7 +149,8 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
             stages.start("check graph")
             graph = _check_graph(tmp / io.MODEL_NAME, step)
             write_ort_graph(tmp, io.ORT_MODEL_NAME)
-            stages.start("target-only graph")
+            if step.k and settings.target_only:         # no line for a stage that does nothing
+                stages.start("target-only graph")
             only = _target_only(step, tmp, settings, sources["vocab_size"])
             stages.start("write manifest")
             tokenizer = _copy_tokenizer(target_dir, sources["config"], tmp)
@@ -181,26 +202,8 @@ def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_s
     for name in step.pool_shapes():
         feeds[name] = feeds[name].to(getattr(torch, settings.dtype))
     trace_dir.mkdir()
-    with _quiet_exporter():
-        path = export_step(step, trace_dir / "step.onnx", feeds)
+    path = export_step(step, trace_dir / "step.onnx", feeds)
     return onnx.load(str(path))
-
-
-@contextmanager
-def _quiet_exporter() -> Iterator[None]:
-    """The exporter logs missing torchvision ops and warns about merged dim names: noise to a user."""
-    import logging
-    import warnings
-
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
 
 
 def _target_only(step: UnifiedStep, tmp: Path, settings: ExportSettings, vocab_size: int) -> io.TargetOnlyGraph | None:
@@ -310,14 +313,16 @@ def _json_object(path: Path) -> dict[str, Any]:
 # --- progress ----------------------------------------------------------------------------------------------------
 
 class _Stages:
-    """A rich progress bar over STAGES on stderr; does nothing when disabled."""
+    """Export progress on stderr over STAGES: a rich bar, one line per finished stage, or nothing."""
 
-    def __init__(self, enabled: bool | None) -> None:
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.bar: Any = None
+    def __init__(self, progress: bool | Literal["bar", "lines"] | None) -> None:
+        if progress is None or progress is True:
+            progress = "bar" if sys.stderr.isatty() else "lines"
+        self.mode, self.bar, self.current = progress or None, None, None
+        self.started = self.stage_started = time.perf_counter()
 
     def __enter__(self) -> _Stages:
-        if self.enabled:
+        if self.mode == "bar":
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -328,10 +333,23 @@ class _Stages:
         return self
 
     def start(self, stage: str) -> None:
+        self._finish_line()
+        self.current, self.stage_started = stage, time.perf_counter()
         if self.bar is not None:
             self.bar.update(self.task, description=stage, completed=STAGES.index(stage))
 
+    def _finish_line(self) -> None:
+        if self.current is not None:
+            self._line(STAGES_DONE[STAGES.index(self.current)], self.stage_started)
+
+    def _line(self, what: str, since: float) -> None:
+        if self.mode == "lines":
+            print(f"[export] {what:<24}  {time.perf_counter() - since:6.1f} s", file=sys.stderr, flush=True)
+
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self._finish_line()
+            self._line("done", self.started)
         if self.bar is not None:
             if kind is None:
                 self.bar.update(self.task, description="done", completed=len(STAGES))

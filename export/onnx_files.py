@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import warnings
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +31,33 @@ STACK_TRACE_KEY = "pkg.torch.onnx.stack_trace"
 # ONNX TensorProto element types -> the names runtime.manifest.DTYPES uses.
 ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32", 9: "bool"}
 _FLOATING = {1, 10, 16, 11}                      # float, float16, bfloat16, double
+# The exporter's libraries, whose log lines and warnings an export keeps off its output (quiet_exporter).
+EXPORTER_LOGGERS = ("torch", "onnxscript", "onnx_ir", "onnx", "transformers")
+
+
+@contextmanager
+def quiet_exporter() -> Iterator[None]:
+    """Within: the exporter's libraries log errors only, and no warning is shown.
+
+    They report what is no fault of the user's and needs nothing done: torch.onnx that torchvision is
+    absent ("Skipping torchvision::nms"), onnx_ir's initializer deduplication once for every If branch that
+    returns a constant (the step's greedy branches do), FutureWarnings and UserWarnings of torch.export.
+    Export's own failures are errors, never warnings, so nothing of ours is hidden. Loggers below the
+    roots that carry their own level (torch sets a few) are lowered too; every level is put back on exit.
+    """
+    loggers = {logging.getLogger(name) for name, logger in logging.root.manager.loggerDict.items()
+               if name.split(".")[0] in EXPORTER_LOGGERS and isinstance(logger, logging.Logger) and logger.level}
+    loggers |= {logging.getLogger(name) for name in EXPORTER_LOGGERS}
+    levels = {logger: logger.level for logger in loggers}
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in levels.items():
+            logger.setLevel(level)
 
 
 def save_with_external_weights(model: onnx.ModelProto, out: Path) -> None:
@@ -161,14 +190,7 @@ def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
     plugins.attach_ort_functions(model)
     ort_lowering.lower(model, ort_lowering.find_pool_reads(onnx.load(str(out / source), load_external_data=False)))
     ort_fusions.fuse(model)
-    # onnx_ir's initializer deduplication warns once for every If branch that returns a constant (the step's
-    # greedy branches do): nothing is wrong, so its warnings are kept off the export's output
-    quiet = logging.getLogger("onnx_ir.passes.common.initializer_deduplication")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
+    with quiet_exporter():
         onnxscript.optimizer.optimize_ir(model)
-    finally:
-        quiet.setLevel(level)
     ort_linear.lower(model)
     ir.save(model, out / name)

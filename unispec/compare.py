@@ -13,8 +13,9 @@ Two passes over one request set (greedy and seeded-sampled rows, ignore_eos so l
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ from runtime.engine import Engine
 from runtime.errors import InvalidRequestError, UnispecError
 from runtime.sampling_params import SamplingParams
 
-__all__ = ["CompareReport", "OutputDiff", "compare_backends", "make_requests", "open_backends", "report_tables"]
+__all__ = ["CompareReport", "OutputDiff", "Progress", "compare_backends", "make_requests", "open_backends",
+           "report_tables"]
 
 Request = tuple[list[int], SamplingParams]
 
@@ -79,6 +81,19 @@ class CompareReport:
         same_tokens = all(self.first_divergence(b) is None for b in self.tokens)
         return same_tokens and all(d.mismatched_steps == 0 for per in self.diffs.values() for d in per.values())
 
+    def failures(self) -> list[str]:
+        """One phrase per disagreement: diverging tokens, then step outputs outside the tolerances."""
+        found = [f"{b} tokens differ at {where}" for b in self.tokens if (where := self.first_divergence(b))]
+        return found + [f"{b} {output} off in {d.mismatched_steps} steps" for b, per in self.diffs.items()
+                        for output, d in per.items() if d.mismatched_steps]
+
+    def as_dict(self) -> dict[str, Any]:
+        """`unispec compare --json`."""
+        return {"passed": self.passed, "reference": self.reference, "backends": list(self.tokens),
+                "failures": self.failures(), "tokens": self.tokens,
+                "first_divergence": {b: self.first_divergence(b) for b in self.tokens if b != self.reference},
+                "outputs": {b: {o: asdict(d) for o, d in per.items()} for b, per in self.diffs.items()}}
+
 
 def make_requests(manifest: io.Manifest, num_requests: int, max_tokens: int, seed: int) -> list[Request]:
     """Random prompts of varied lengths; even requests greedy, odd ones sampled with their own seed."""
@@ -125,15 +140,24 @@ def open_backends(artifact_dir: Path, manifest: io.Manifest, names: Sequence[str
     return backends
 
 
-def generate_tokens(backend: Backend, requests: Sequence[Request]) -> list[list[int]]:
+Progress = Callable[[str, bool], None]       # (what, finished), as unispec/cli_common.py reports it
+
+
+def generate_tokens(backend: Backend, requests: Sequence[Request], progress: Progress | None = None,
+                    label: str = "") -> list[list[int]]:
+    """Every request's generated tokens; `progress` hears of each finished request under `label`."""
     # Always the speculative graph: which graph runs a step changes seeded sampled tokens, and the
     # backends compared must run the same steps (not every backend has the target-only graph).
     engine = Engine(backend, speculation="always")
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
-    done = {}
+    done: dict[Any, list[int]] = {}
+    started = time.perf_counter()
     while engine.has_unfinished():
         for out in engine.step():
             done[out.request_id] = out.token_ids
+            if progress is not None:
+                progress(f"{label}: request {ids.index(out.request_id) + 1} done ({len(done)}/{len(ids)}, "
+                         f"{len(out.token_ids)} tokens)  {time.perf_counter() - started:.1f} s", True)
     return [done[i] for i in ids]
 
 
@@ -165,11 +189,13 @@ class _Lockstep:
 
 
 def compare_backends(backends: Mapping[str, Backend], requests: Sequence[Request], *, atol: float,
-                     rtol: float) -> CompareReport:
+                     rtol: float, progress: Progress | None = None) -> CompareReport:
+    """The tokens pass on each backend, then the lockstep pass; `progress` hears of every finished request."""
     reference = next(iter(backends))
-    report = CompareReport(reference, {name: generate_tokens(b, requests) for name, b in backends.items()})
+    report = CompareReport(reference, {name: generate_tokens(b, requests, progress, f"tokens, {name}")
+                                       for name, b in backends.items()})
     lockstep = _Lockstep(backends, atol, rtol)
-    generate_tokens(lockstep, requests)
+    generate_tokens(lockstep, requests, progress, "lockstep, " + ", ".join(backends))
     report.diffs = lockstep.diffs
     return report
 

@@ -28,7 +28,8 @@ def _recipe_hash(model_dir: Path) -> str:
     return json.loads(stamp.read_text())["recipe_hash"]
 
 
-def _artifact(cache: Path, target: Path, draft: Path | None, method: str, k: int) -> Path:
+def _artifact(cache: Path, target: Path, draft: Path | None, method: str, k: int, console: Console,
+              progress: bool | str | None) -> Path:
     """Export once per (method, model versions); a retrained model gets a fresh artifact."""
     from export.artifact import export_model
 
@@ -36,8 +37,11 @@ def _artifact(cache: Path, target: Path, draft: Path | None, method: str, k: int
     out = cache / f"{target.name}-{method}-k{k}"
     stamp = out / "demo-source.txt"
     if not (out / "manifest.json").is_file() or not stamp.is_file() or stamp.read_text() != key:
+        if progress is not False:
+            console.print(f"exporting the bundled {target.name} as `{method}` (cached after the first run)",
+                          highlight=False)
         export_model(target, draft, method=method, num_speculative_tokens=k, out_dir=out, block_size=16,
-                     max_model_len=512, max_batch_size=16, max_tokens_per_step=256, progress=False)
+                     max_model_len=512, max_batch_size=16, max_tokens_per_step=256, progress=progress)
         stamp.write_text(key)
     return out
 
@@ -51,8 +55,10 @@ def _timed(llm: object, prompts: list[str], params: object) -> tuple[list, float
     return outputs, time.perf_counter() - start
 
 
-def run_demo(models: Path, cache: Path, console: Console, *, max_tokens: int = 64) -> bool:
-    """Returns whether speculative greedy output equalled target-only output for every prompt."""
+def run_demo(models: Path, cache: Path, console: Console, *, max_tokens: int = 64,
+             progress: bool | str | None = None) -> bool:
+    """Returns whether speculative greedy output equalled target-only output for every prompt. `progress`:
+    export_model's, for the exports a first run makes (a bar on a terminal, lines in a log)."""
     from runtime.llm import LLM
     from runtime.sampling_params import SamplingParams
 
@@ -61,9 +67,8 @@ def run_demo(models: Path, cache: Path, console: Console, *, max_tokens: int = 6
     k = json.loads((draft / "config.json").read_text())["block_size"] - 1
     prompts = [json.loads(line)["prompt"] for line in (models / "prompts.jsonl").read_text().splitlines()][:NUM_PROMPTS]
     cache.mkdir(parents=True, exist_ok=True)
-    with console.status("exporting the bundled Llama 3 + DFlash pair (cached after the first run)..."):
-        spec_dir = _artifact(cache, target, draft, "dflash", k)
-        base_dir = _artifact(cache, target, None, "none", 0)
+    spec_dir = _artifact(cache, target, draft, "dflash", k, console, progress)
+    base_dir = _artifact(cache, target, None, "none", 0, console, progress)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     # every step speculative, so that the lossless check covers every token (the default, "auto", may run
     # some steps target-only, and needs more than four prompts to settle)

@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from export.artifact import export_model
 from export.checkpoint import Checkpoint
-from export.config import resolve_dtype
 from export.hub import HubId, hub_cache_dir, parse_hub_id, resolve_checkpoint
 from export.targets import load_target
 from export.tiny.targets import write_target
@@ -135,13 +133,32 @@ def test_the_cache_is_read_from_the_environment_at_call_time(monkeypatch: pytest
 
 @pytest.mark.slow
 def test_export_from_a_hub_id_with_dtype_auto(tiny_target: Path, offline_cache: Path, tmp_path: Path) -> None:
-    """What export_model does with `target="org/name", dtype="auto"` (the two calls it makes first)."""
+    """`unispec export --target org/name --dtype auto` with only the offline cache holding the checkpoint."""
+    from click.testing import CliRunner
+
+    from unispec.cli import main
+
     snapshot = into_hub_cache(offline_cache, "org/name", tiny_target)
-    target = resolve_checkpoint("org/name")
-    out = export_model(target, method="none", out_dir=tmp_path / "artifact", dtype=resolve_dtype("auto", target),
-                       block_size=4, max_model_len=64, max_batch_size=2, max_tokens_per_step=16, progress=False)
+    out = tmp_path / "artifact"
+    result = CliRunner().invoke(main, ["-q", "export", "--target", "org/name", "--method", "none", "--dtype", "auto",
+                                       "--out", str(out), "--block-size", "4", "--max-model-len", "64",
+                                       "--max-batch-size", "2", "--max-tokens-per-step", "16"])
+    assert result.exit_code == 0, result.output
     manifest = Manifest.load(out)
     assert manifest.dtype == "bfloat16" and manifest.target_checkpoint == str(snapshot)
     assert {p.dtype for p in manifest.pools} == {"bfloat16"}
     copied = out / "generation_config.json"
     assert not copied.is_symlink() and json.loads(copied.read_text())["temperature"] == 0.6
+
+
+def test_the_cli_refuses_an_uncached_hub_id_in_one_line(offline_cache: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from unispec.cli import main
+
+    result = CliRunner().invoke(main, ["export", "--target", "org/absent", "--method", "none",
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "org/absent: not a directory" in lines[0] and "hf download org/absent" in lines[0]
+    assert not (tmp_path / "out").exists()

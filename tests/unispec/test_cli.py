@@ -64,3 +64,17 @@ def test_demo_without_bundled_models_says_what_to_run(tmp_path) -> None:
     result = CliRunner().invoke(main, ["demo", "--models-dir", str(tmp_path), "--cache-dir", str(tmp_path / "c")])
     assert result.exit_code != 0
     assert "make models" in result.output and "Traceback" not in result.output
+
+
+def test_serve_passes_speculation_and_the_request_size_limit_to_its_config(tmp_path, monkeypatch) -> None:
+    import unispec.serve_app
+
+    seen = []
+    monkeypatch.setattr(unispec.serve_app, "run_uvicorn", seen.append)
+    argv = ["serve", str(tmp_path), "--speculation", "never", "--max-request-bytes", "65536"]
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 0, result.output
+    assert (seen[0].speculation, seen[0].max_request_bytes, seen[0].artifact_dir) == ("never", 65536, tmp_path)
+    assert CliRunner().invoke(main, ["serve", str(tmp_path)]).exit_code == 0
+    assert (seen[1].speculation, seen[1].max_request_bytes) == ("auto", None)
+    assert CliRunner().invoke(main, [*argv[:2], "--speculation", "sometimes"]).exit_code == 2

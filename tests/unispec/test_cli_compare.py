@@ -122,3 +122,37 @@ def test_requests_are_reproducible_and_fit_the_pool(tiny) -> None:
     # prompt + new tokens + 2K + 1 positions per request, in blocks of 4: ceil(15/4) + ceil(20/4) + ceil(25/4)
     assert cmp.pool_blocks_for(manifest, a) == 4 + 5 + 7
     assert np.unique([p.seed for _, p in a]).size == 3
+
+
+def test_json_progress_and_quiet(tiny) -> None:
+    """--json: one document on stdout (tables gone); stderr, no terminal: a line per finished request of each
+    pass; -q: the verdict line alone."""
+    import json
+
+    result = CliRunner().invoke(main, _argv(tiny, "--backends", "ort,torch", "--json"))
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["passed"] is True and document["failures"] == [] and document["reference"] == "ort"
+    assert document["backends"] == ["ort", "torch"] and document["first_divergence"] == {"torch": None}
+    assert [len(t) for t in document["tokens"]["torch"]] == [12] * 4
+    diff = document["outputs"]["torch"][io.KV_DELTA]
+    assert diff["steps"] > 10 and diff["mismatched_steps"] == 0 and 0 < diff["max_abs"] <= 1e-3
+    passes = [line.split(": request")[0] for line in result.stderr.splitlines()]
+    assert passes == ["[compare] tokens, ort"] * 4 + ["[compare] tokens, torch"] * 4 + \
+        ["[compare] lockstep, ort, torch"] * 4
+    quiet = CliRunner().invoke(main, ["-q", *_argv(tiny, "--backends", "ort,torch")])
+    assert quiet.exit_code == 0 and quiet.output == "compare: ort, torch agree\n"
+
+
+def test_a_diverging_backend_in_json_names_the_failure(tiny, monkeypatch) -> None:
+    import json
+
+    real_open = cmp.open_backends
+    monkeypatch.setattr(cmp, "open_backends", lambda *a, **k: {name: _Skewed(b) if name == "ort" else b
+                                                               for name, b in real_open(*a, **k).items()})
+    result = CliRunner().invoke(main, [*_argv(tiny), "--json"])
+    assert result.exit_code == 1
+    document = json.loads(result.stdout)
+    assert document["passed"] is False and document["first_divergence"]["ort"].startswith("request 0, token")
+    assert document["failures"][0].startswith("ort tokens differ at request 0")
+    assert "compare: the backends differ: ort tokens differ" in result.stderr

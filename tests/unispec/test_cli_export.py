@@ -32,16 +32,22 @@ def bf16_artifact(tiny: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 
 
 def one_line_failure(result: Result) -> str:
+    """The error's one line; the stage lines of what went well before it (stderr is no terminal) aside."""
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output and result.exception is not None
-    assert result.output.strip().count("\n") == 0, result.output
-    return result.output
+    lines = [line for line in result.output.splitlines() if not line.startswith("[export] ")]
+    assert len(lines) == 1 and result.stdout == "", result.output
+    return lines[0]
 
 
 def test_export_writes_a_bfloat16_structured_artifact(bf16_artifact: tuple[Result, Path]) -> None:
     result, out = bf16_artifact
     assert result.exit_code == 0, result.output
-    assert result.output.strip() == f"artifact: {out}"
+    assert result.stdout == f"artifact: {out}\n"
+    stages = [line.split("  ")[0] for line in result.stderr.splitlines()]    # stderr is no terminal: lines
+    assert stages == [f"[export] {stage}" for stage in ("read checkpoints", "built step", "traced step graph",
+                                                        "wrote weights", "checked graph, ORT graph",
+                                                        "wrote manifest", "done")]
     onnx.checker.check_model(str(out / io.MODEL_NAME), full_check=True)
     manifest = Manifest.load(out)
     assert (manifest.dtype, manifest.block_size, manifest.structured_output) == ("bfloat16", 8, True)
@@ -70,6 +76,20 @@ def test_inspect_prints_manifest_io_and_ops(bf16_artifact: tuple[Result, Path]) 
     assert "ONNX ops:" in result.output and "Gather x" in result.output
     assert all(op in result.output for op in manifest.ops)
     assert result.output.count("attached") == len(manifest.ops) and "missing" not in result.output
+
+
+def test_inspect_json_matches_the_manifest(bf16_artifact: tuple[Result, Path]) -> None:
+    import json
+
+    _, out = bf16_artifact
+    result = CliRunner().invoke(main, ["inspect", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    manifest = Manifest.load(out)
+    assert document["manifest"] == json.loads(manifest.to_json())
+    assert (document["manifest"]["dtype"], document["manifest"]["block_size"]) == ("bfloat16", 8)
+    assert document["op_counts"]["Gather"] >= 1
+    assert {f"unispec::{op}" for op in manifest.ops} <= set(document["functions"]) and manifest.ops
 
 
 def test_inspect_refuses_a_damaged_dir_in_one_line(bf16_artifact: tuple[Result, Path], tmp_path: Path) -> None:
@@ -133,3 +153,17 @@ def test_export_help_shows_every_option_with_its_default() -> None:
         assert f"[default: {default}]" in help_of_option, option
     for flag in ("--target", "--draft", "--out", "--structured-output"):
         assert flag in text
+
+
+def test_dtype_auto_reads_the_targets_config(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """--dtype auto takes the target's config.json dtype, so one it cannot export is refused by name."""
+    import json
+    import shutil
+
+    target = shutil.copytree(tiny["target"], tmp_path / "float64")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "dtype": "float64"}))
+    result = CliRunner().invoke(main, ["export", "--target", str(target), "--out", str(tmp_path / "out"),
+                                       "--dtype", "auto"])
+    assert "--dtype auto cannot export field 'dtype' = 'float64'" in one_line_failure(result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["float64"]
