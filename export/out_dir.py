@@ -18,13 +18,21 @@ A failed or interrupted export (Ctrl-C) removes both. SIGTERM removes both from 
 process there (status 143): an exception raised from a signal handler can surface inside torch's tracer
 or a class body and be rewrapped, or crash the process while it unwinds. SIGTERM is held back while the
 finished artifact is moved into place, so it never acts between the two renames. One killed outright
-(kill -9) leaves both, and the next export beside DIR removes them once that process is gone.
+(kill -9) leaves both, and the next export beside DIR removes them once that process is gone. One killed
+between the two renames leaves DIR missing and the previous artifact whole in `.<name>.old-<hex>`: the next
+export to DIR first renames that copy back (when it is the only one and complete), and old copies beside a DIR
+that is in place are removed (settle_old_copies).
+
+An OS failure while writing (disk full, quota, `ulimit -f`, read-only, a symlink loop, a name too long) is one
+ExportError naming --out, the cause and what to change (explain_os_error), with nothing staged left behind.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -39,7 +47,7 @@ from runtime import manifest as io
 from runtime.errors import ArtifactError, ExportError
 from runtime.manifest import Manifest, artifact_files
 
-__all__ = ["OutPlan", "plan_out_dir", "staging"]
+__all__ = ["OutPlan", "explain_os_error", "os_error_in", "plan_out_dir", "settle_old_copies", "staging"]
 
 OWNER_SUFFIX = ".owner"
 _NAME_KEEP = 200        # of DIR's name in the staging names: with the suffixes they stay under NAME_MAX (255)
@@ -52,12 +60,14 @@ class OutPlan(NamedTuple):
 
 
 def plan_out_dir(out: Path, force: bool = False) -> OutPlan:
-    """How the export will write `out` (absolute); a one-line ExportError when it must not or cannot."""
+    """How the export will write `out` (absolute); a one-line ExportError when it must not or cannot. What an
+    export killed between its two renames left of `out` is settled first (settle_old_copies)."""
     return _os_call(out, lambda: _plan(out, force))      # type: ignore[return-value]
 
 
 def _plan(out: Path, force: bool) -> OutPlan:
     _check_writable(out)
+    settle_old_copies(out)                # a previous artifact renamed back is then replaced like any other
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return OutPlan(out, "new", frozenset())
     old_files = _artifact_files_in(out)
@@ -74,6 +84,12 @@ def _plan(out: Path, force: bool) -> OutPlan:
 
 
 def _check_writable(out: Path) -> None:
+    for path in (out, *out.parents):
+        if path.is_symlink() and not path.exists():       # renaming a directory onto it would fail at the end
+            with suppress(FileNotFoundError):
+                path.stat()                               # a loop: OSError ELOOP, named by _os_call
+            raise ExportError(f"--out {out}: {path} is a symbolic link to {os.readlink(path)}, which does not "
+                              "exist; remove the link or create what it points to")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; point --out at a new or artifact directory")
     existing = next(p for p in (out, *out.parents) if p.exists())
@@ -111,11 +127,17 @@ def staging(plan: OutPlan) -> Iterator[Path]:
             yield tmp
             with commit_section():
                 _os_call(out, lambda: _merge_into(tmp, plan) if plan.mode == "merge" else _swap_into(tmp, out))
-        except BaseException:             # KeyboardInterrupt included: never leave a half artifact
+        except BaseException as exc:      # KeyboardInterrupt included: never leave a half artifact
             shutil.rmtree(tmp, ignore_errors=True)
+            cause = os_error_in(exc)
+            if cause is not None and _about(cause, (tmp, out)):
+                raise ExportError(f"--out {out}: cannot write there: {explain_os_error(cause)}") from None
             raise
         finally:
-            owner.unlink(missing_ok=True)
+            with suppress(OSError):       # (a link loop on the path): the error above says so
+                owner.unlink(missing_ok=True)
+    with suppress(OSError):               # the new artifact is in place: earlier exports' old copies are stale
+        settle_old_copies(out)
 
 
 def _os_call(out: Path, call: Callable[[], object]) -> object:
@@ -123,8 +145,49 @@ def _os_call(out: Path, call: Callable[[], object]) -> object:
     try:
         return call()
     except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        raise ExportError(f"--out {out}: cannot write there: {exc.strerror or exc}{where}") from None
+        raise ExportError(f"--out {out}: cannot write there: {explain_os_error(exc)}") from None
+
+
+# what to change, by errno, for the OS failures that writing (or reading) files meets
+_OS_ADVICE = {
+    errno.ENOSPC: "free space on that filesystem or choose another location",
+    errno.EDQUOT: "free space within your disk quota or choose another location",
+    errno.EFBIG: "a file outgrew the file-size limit: raise it (`ulimit -f unlimited`) or choose a filesystem "
+                 "that holds larger files",
+    errno.ELOOP: "a symbolic link on that path leads back to itself: fix or remove the link",
+    errno.EACCES: "choose a location you may write, or change its permissions",
+    errno.EPERM: "choose a location you may write, or change its permissions",
+    errno.EROFS: "choose a writable location",
+    errno.ENAMETOOLONG: "choose a shorter name",
+    errno.EMFILE: "raise the open-file limit (`ulimit -n`)",
+    errno.ENFILE: "close other programs' files or raise the system's open-file limit",
+    errno.EIO: "the device failed: check the disk or network filesystem",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: check the path",
+}
+
+
+def explain_os_error(exc: OSError) -> str:
+    """`<the OS's reason> (<path>); <what to change>`, one line."""
+    reason = (exc.strerror or os.strerror(exc.errno)) if exc.errno else " ".join(str(exc).split())
+    paths = " -> ".join(os.fsdecode(n) for n in (exc.filename, exc.filename2) if isinstance(n, str | bytes))
+    advice = _OS_ADVICE.get(exc.errno)            # type: ignore[arg-type]
+    return f"{reason}" + (f" ({paths})" if paths else "") + (f"; {advice}" if advice else "")
+
+
+def os_error_in(exc: BaseException | None) -> OSError | None:
+    """`exc` when it is an OSError, or the OSError a library wrapped into it (its cause or context)."""
+    for _ in range(8):
+        if exc is None or isinstance(exc, OSError):
+            return exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return None
+
+
+def _about(exc: OSError, places: tuple[Path, ...]) -> bool:
+    """Whether `exc` concerns a file under `places`; a failed write to an open file names no file at all."""
+    names = [n for n in (exc.filename, exc.filename2) if isinstance(n, str | bytes)]
+    return not names or any(Path(os.fsdecode(n)).is_relative_to(place) for n in names for place in places)
 
 
 def _swap_into(tmp: Path, out: Path) -> None:
@@ -161,16 +224,55 @@ def _sweep_stale(parent: Path) -> None:
     """Remove staging directories that exports killed outright (kill -9) left here, once their process is gone."""
     if not parent.is_dir():
         return
-    host = socket.gethostname()
     for owner in parent.glob(f".*.tmp-*{OWNER_SUFFIX}"):
-        try:
-            info = json.loads(owner.read_text())
-            pid, same_host = int(info["pid"]), info["host"] == host
-        except (OSError, ValueError, KeyError, TypeError):
-            continue                      # not one of ours, or being written: leave it
-        if same_host and not _alive(pid):
+        if _owner_gone(owner):
             shutil.rmtree(owner.with_name(owner.name.removesuffix(OWNER_SUFFIX)), ignore_errors=True)
             owner.unlink(missing_ok=True)
+
+
+def _owner_gone(owner: Path) -> bool:
+    """Whether the export that wrote `owner` ({"pid", "host"}) has ended; unreadable or another host's: no."""
+    try:
+        info = json.loads(owner.read_text())
+        pid, same_host = int(info["pid"]), info["host"] == socket.gethostname()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False                      # not one of ours, or being written: leave it
+    return same_host and not _alive(pid)
+
+
+def settle_old_copies(out: Path) -> None:
+    """What an export killed between its two renames (DIR -> .<name>.old-<hex>, staging -> DIR) left of `out`.
+
+    Once no export of `out` is staging any more (their owners' processes are gone):
+      `out` missing, one old copy, complete   the previous artifact: renamed back to `out`
+      `out` in place                           every old copy is superseded: removed
+      `out` missing, several or incomplete     kept (which one was current is unknown) until an export puts a
+                                               new `out` in place
+    """
+    if not out.parent.is_dir():
+        return
+    _sweep_stale(out.parent)
+    prefix = f".{out.name[:_NAME_KEEP]}."
+    names = [p.name for p in out.parent.iterdir() if p.name.startswith(prefix)]
+    if any(re.fullmatch(r"tmp-[0-9a-f]+" + re.escape(OWNER_SUFFIX), n[len(prefix):]) for n in names):
+        return                            # an export of `out` is running: its old copy is its own
+    olds = sorted(out.parent / n for n in names if re.fullmatch(r"old-[0-9a-f]+", n[len(prefix):]))
+    if out.exists() or out.is_symlink():
+        for old in olds:
+            if old.is_symlink() or not old.is_dir():      # (an --out that was a symlink was renamed as a link)
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
+    elif len(olds) == 1 and olds[0].is_dir() and not olds[0].is_symlink() and _complete(olds[0]):
+        olds[0].rename(out)
+
+
+def _complete(directory: Path) -> bool:
+    try:
+        manifest = Manifest.load(directory)
+    except ArtifactError:
+        return False
+    return all((directory / name).is_file() for name in artifact_files(manifest))
 
 
 def _alive(pid: int) -> bool:

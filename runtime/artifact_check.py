@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from runtime import manifest as io
 from runtime.errors import ArtifactError, InvalidRequestError
-from runtime.manifest import Manifest, artifact_files, dim_value, dtype_bytes
+from runtime.manifest import Manifest, dim_value, dtype_bytes
 
 __all__ = ["DEFAULT_STEP_MEMORY_BYTES", "Graph", "check_artifact", "check_paths", "check_pool_memory",
            "check_step_memory", "host_memory_bytes", "read_graph", "step_buffer_bytes"]
@@ -56,12 +56,23 @@ def check_artifact(directory: str | Path, manifest: Manifest) -> Graph:
 
 
 def check_paths(directory: Path, manifest: Manifest) -> None:
+    """Every file the manifest names (io.named_files) lies inside `directory` once symlinks are followed;
+    a one-line ArtifactError naming the field otherwise. (Manifest.load already refused names with a
+    directory part, so only a link can lead out.)"""
     root = directory.resolve()
-    for name in artifact_files(manifest):
-        path = directory / name
-        if (path.exists() or path.is_symlink()) and not path.resolve().is_relative_to(root):
-            raise ArtifactError(f"{directory}: {name} resolves to {path.resolve()}, outside the artifact "
-                                "directory; every file an artifact names must lie inside it, re-export it")
+    for field_name, name in io.named_files(manifest):
+        path = directory / name if isinstance(name, str) else None
+        if path is None or not (path.exists() or path.is_symlink()):
+            continue                             # absent: the check that reads the file names it
+        try:
+            resolved = path.resolve()
+        except (OSError, RuntimeError):          # a symlink loop (Python 3.11 raises RuntimeError)
+            raise ArtifactError(f"manifest: {field_name} names {name}, a symbolic link that loops back on itself; "
+                                "the artifact is damaged, re-export it") from None
+        if not resolved.is_relative_to(root):
+            raise ArtifactError(f"manifest: {field_name} names {name}, which resolves to {resolved}, outside the "
+                                f"artifact directory {directory}; every file an artifact names must lie inside "
+                                "it, re-export it")
 
 
 # --- the graph ------------------------------------------------------------------------------------------------

@@ -190,8 +190,7 @@ class Manifest:
         return json.dumps(asdict(self), indent=2)
 
     def write(self, directory: str | Path) -> Path:
-        path = Path(directory) / MANIFEST_NAME
-        path.write_text(self.to_json() + "\n")
+        (path := Path(directory) / MANIFEST_NAME).write_text(self.to_json() + "\n")
         return path
 
     @classmethod
@@ -370,30 +369,31 @@ def _check_pool(where: str, pool: PoolSpec) -> None:
 
 def artifact_files(m: Manifest) -> tuple[str, ...]:
     """Every file the manifest names, manifest.json first (plain names inside the artifact directory)."""
-    return tuple(dict.fromkeys([MANIFEST_NAME, *(name for _, name in _named_files(m) if name is not None)]))
+    return tuple(dict.fromkeys([MANIFEST_NAME, *(name for _, name in named_files(m) if name is not None)]))
 
 
-def _named_files(m: Manifest) -> list[tuple[str, object]]:
-    engine = m.engine if isinstance(m.engine, dict) else {}
+def named_files(m: Manifest) -> list[tuple[str, object]]:
+    """(field, file name or None) of every field that names a file: the one list both file checks confine."""
+    engine, only = m.engine if isinstance(m.engine, dict) else {}, m.target_only
     return [("model_file", m.model_file), ("weights_file", m.weights_file), ("ort_model_file", m.ort_model_file),
+            *((f"target_only.{name}", getattr(only, name)) for name in ("model_file", "ort_model_file") if only),
             *((f"tokenizer.files[{i}]", name) for i, name in enumerate(m.tokenizer.files)),
             ("engine.plan", engine.get("plan")), ("engine.settings", engine.get("settings"))]
 
 
 def _check_files(m: Manifest) -> None:
-    """Artifacts are flat directories: a named file is a plain name, so it cannot point outside one."""
+    """Artifacts are flat: a plain name cannot point outside one (artifact_check.check_paths follows symlinks)."""
     require("engine", m.engine, m.engine is None or isinstance(m.engine, dict), "an object or null")
     require("tokenizer.files", m.tokenizer.files, isinstance(m.tokenizer.files, tuple), "a list of file names")
-    for field_name, name in _named_files(m):
-        require(field_name, name, (name is None and field_name != "model_file") or plain_name(name),
+    for field_name, name in named_files(m):
+        optional = field_name not in ("model_file", "target_only.model_file")
+        require(field_name, name, (name is None and optional) or plain_name(name),
                 "a plain file name inside the artifact directory (no directory part, not absolute)")
 
 
 def _check_token_ids(m: Manifest) -> None:
-    tok = m.tokenizer
-    ids = [("bos_token_id", tok.bos_token_id), ("think_start_id", tok.think_start_id),
-           ("think_end_id", tok.think_end_id)]
-    ids += [("eos_token_ids", t) for t in tok.eos_token_ids]
+    ids = [(name, getattr(m.tokenizer, name)) for name in ("bos_token_id", "think_start_id", "think_end_id")]
+    ids += [("eos_token_ids", t) for t in m.tokenizer.eos_token_ids]
     for name, value in ids:
         require(f"tokenizer.{name}", value, value is None or (is_int(value) and 0 <= value < m.vocab_size),
                 f"a token id in [0, {m.vocab_size})")

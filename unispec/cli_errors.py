@@ -8,12 +8,14 @@ import click
 
 from runtime.errors import UnispecError
 
-__all__ = ["OneLineErrors", "read_text"]
+__all__ = ["OneLineErrors", "one_line", "read_text"]
 
 
 class OneLineErrors(click.Group):
-    """Turns unispec's own errors into one clear line (exit 1) unless `--debug` asks for the traceback;
-    anything else that escapes (a bug, or a failure nobody anticipated) is one line too."""
+    """Turns unispec's own errors into one clear line (exit 1) unless `--debug` asks for the traceback; an OS
+    failure (disk full, `ulimit -f`, a symlink loop, no permission, ...), raised or wrapped by a library, is
+    the line naming its path and what to change; anything else that escapes (a bug, or a failure nobody
+    anticipated) is one line too."""
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
@@ -23,11 +25,20 @@ class OneLineErrors(click.Group):
         except Exception as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            if isinstance(exc, UnispecError):
-                raise click.ClickException(str(exc)) from None
-            reason = " ".join(str(exc).split())[:300] or "no message"
-            raise click.ClickException(f"unexpected {type(exc).__name__}: {reason}; rerun with --debug for the "
-                                       "traceback and please report it") from None
+            raise click.ClickException(one_line(exc)) from None
+
+
+def one_line(exc: Exception) -> str:
+    """The CLI's line for an exception that ended a command (click's own errors aside)."""
+    if isinstance(exc, UnispecError):
+        return str(exc)
+    from export.out_dir import explain_os_error, os_error_in
+
+    cause = os_error_in(exc)
+    if cause is not None:
+        return f"cannot read or write a file: {explain_os_error(cause)}"
+    reason = " ".join(str(exc).split())[:300] or "no message"
+    return f"unexpected {type(exc).__name__}: {reason}; rerun with --debug for the traceback and please report it"
 
 
 def read_text(path: Path, flag: str) -> str:

@@ -17,6 +17,7 @@ Device-resident pools with a device-side commit come with the full runtime.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -261,25 +262,28 @@ def _open_session(artifact_dir: Path, manifest: io.Manifest, graph: io.Manifest 
     try:
         session = ort.InferenceSession(str(model), options, providers=list(providers or default_providers()))
     except Exception as exc:   # ORT raises its own Fail / InvalidProtobuf / NoSuchFile classes
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ArtifactError(f"{model}: ONNX Runtime cannot load it ({first_line}); the artifact is damaged, "
-                            "re-export it") from None
+        raise _load_error(ort, exc, model) from None
     _check_io(session, graph, model)
     return session
 
 
 def _with_native_kernels(options: Any, model: Path, portable: Path) -> Path:
     """The graph to open: `model` with unispec's CPU kernels registered when it uses them, else (no C++
-    compiler to build them with) the portable `model.onnx`, slower but the same math."""
+    compiler, a failed build, nowhere to write one) the portable `model.onnx`, slower but the same math, with
+    one warning. The library handed over is one this CPU runs and matches its build stamp (plugins/ort_cpu);
+    $UNISPEC_ORT_CPU_ISA naming a variant this CPU lacks is refused rather than silently run as model.onnx."""
     from plugins import ort_cpu
 
     if model == portable or not _uses_domain(model, ort_cpu.DOMAIN):
         return model
     try:
-        options.register_custom_ops_library(str(ort_cpu.library_path()))
+        library = ort_cpu.library_path()
+    except ort_cpu.IsaError as exc:
+        raise BackendUnavailableError(str(exc)) from None
     except ort_cpu.BuildError as exc:
         warnings.warn(f"{exc}; running {portable.name} instead of {model.name} (slower)", stacklevel=3)
         return portable
+    options.register_custom_ops_library(str(library))
     return model
 
 
@@ -324,3 +328,35 @@ def _check_io(session: Any, manifest: io.Manifest | io.TargetOnlyGraph, model: P
             raise ArtifactError(f"{model}: {value.name} is {value.type} {value.shape} in the graph but "
                                 f"{spec.dtype} {list(spec.shape)} in manifest.json; the manifest belongs to another "
                                 "export, re-export the artifact")
+
+
+# the oldest onnxruntime unispec supports (pyproject.toml); its artifacts are ONNX IR 10, opset 24 (DESIGN.md §4)
+MIN_ORT_VERSION = (1, 31)
+# what ORT says when a graph's IR version or opset is newer than it supports
+_TOO_NEW = re.compile(r"Unsupported model IR version: \d+, max supported IR version: \d+|"
+                      r"Opset \d+ is under development|support for domain \S+ is till opset \d+")
+_UPGRADE = "pip install -U onnxruntime (or onnxruntime-gpu)"
+
+
+def _load_error(ort: Any, exc: Exception, model: Path) -> UnispecError:
+    """Why ORT refused `model`, in one line: an onnxruntime too old for unispec, or for the graph's IR version
+    or opset, says so and how to upgrade; anything else means the file is damaged."""
+    version = str(getattr(ort, "__version__", "unknown"))
+    too_new = "; ".join(_TOO_NEW.findall(" ".join(str(exc).split())))
+    said = f" ({too_new})" if too_new else ""
+    if _release(version) < MIN_ORT_VERSION:
+        return BackendUnavailableError(f"{model}: onnxruntime {version} cannot load it{said}: unispec needs "
+                                       f"onnxruntime >= {'.'.join(map(str, MIN_ORT_VERSION))} (ONNX IR 10, opset "
+                                       f"24); {_UPGRADE}")
+    if too_new:
+        return BackendUnavailableError(f"{model}: onnxruntime {version} cannot load it{said}: the graph is newer "
+                                       f"than it runs; {_UPGRADE}, or re-export the artifact with this unispec")
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ArtifactError(f"{model}: ONNX Runtime cannot load it ({first_line}); the artifact is damaged, "
+                         "re-export it")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as '1.31.0' or '1.32.0.dev20250101'; (0,) if unreadable."""
+    parts = re.match(r"(\d+)\.(\d+)", version)
+    return (int(parts.group(1)), int(parts.group(2))) if parts else (0,)

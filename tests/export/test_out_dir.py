@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,17 @@ def test_an_artifact_is_replaced_whole_and_one_with_foreign_files_only_by_force(
     assert Manifest.load(out).num_speculative_tokens == 1 and (out / io.MODEL_NAME).read_bytes() == b"new graph"
     assert (out / "timing.cache").read_bytes() == b"the user's" and not (out / io.WEIGHTS_NAME).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_a_speculative_artifact_with_its_target_only_graph_is_replaced_whole(tmp_path: Path) -> None:
+    """Its target_only files were not among the manifest's files, so re-exporting onto it was refused."""
+    manifest = make_manifest()
+    only = io.TargetOnlyGraph(model_file="target_only.onnx", ort_model_file="target_only.ort.onnx",
+                              inputs=manifest.inputs, outputs=manifest.outputs)
+    out = write_fake_artifact(tmp_path / "art", replace(manifest, target_only=only))
+    for name in ("target_only.onnx", "target_only.ort.onnx"):
+        (out / name).write_bytes(b"graph")
+    assert plan_out_dir(out).mode == "replace"
 
 
 def test_force_never_deletes_a_directory_named_like_an_artifact_file(tmp_path: Path) -> None:
@@ -242,3 +254,80 @@ def test_a_terminated_export_leaves_nothing_and_a_killed_one_is_swept_next_time(
     with staging(plan_out_dir(tmp_path / "next")) as tmp:
         write_fake_artifact(tmp)
     assert staged_dirs(tmp_path) == [".other.tmp-0000", ".other.tmp-0000.owner"]
+
+
+# --- issue 39 item 9a: what an export killed between its two renames leaves ---------------------------------------
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def killed_between_renames(out: Path, old_hex: str = "0badc0de") -> None:
+    """The state kill -9 leaves after `DIR -> .DIR.old-<hex>` and before `staging -> DIR`: DIR gone, the
+    previous artifact whole in its old copy, and the dead export's complete staging directory + owner."""
+    out.rename(out.with_name(f".{out.name}.old-{old_hex}"))
+    staged = write_fake_artifact(out.with_name(f".{out.name}.tmp-1234abcd"), make_manifest(k=1))
+    (staged.parent / f"{staged.name}{out_dir.OWNER_SUFFIX}").write_text(
+        json.dumps({"pid": dead_pid(), "host": out_dir.socket.gethostname()}))
+
+
+def test_the_next_export_restores_an_artifact_killed_between_the_two_renames(tmp_path: Path) -> None:
+    out = fake_artifact(tmp_path / "art", k=2)
+    killed_between_renames(out)
+    plan = plan_out_dir(out)                                     # before anything is written: restored
+    assert plan.mode == "replace" and Manifest.load(out).num_speculative_tokens == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+    with staging(plan) as tmp:
+        write_fake_artifact(tmp, make_manifest(k=3))
+    assert Manifest.load(out).num_speculative_tokens == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_old_copies_that_cannot_be_restored_are_kept_until_a_new_artifact_is_in_place(tmp_path: Path) -> None:
+    out = fake_artifact(tmp_path / "art")
+    killed_between_renames(out, "0000000a")
+    fake_artifact(tmp_path / "again")
+    (tmp_path / "again").rename(tmp_path / ".art.old-0000000b")            # two old copies: which is current?
+    (tmp_path / ".art.old-0000000c").mkdir()                               # and one rmtree did not finish
+    live = tmp_path / f".art.tmp-5555{out_dir.OWNER_SUFFIX}"                # an export of `art` still running
+    live.write_text(json.dumps({"pid": os.getpid(), "host": out_dir.socket.gethostname()}))
+    olds = [".art.old-0000000a", ".art.old-0000000b", ".art.old-0000000c"]
+    assert plan_out_dir(out).mode == "new" and sorted(p.name for p in tmp_path.iterdir()) == [*olds, live.name]
+    live.unlink()                                                          # it ended
+    plan = plan_out_dir(out)
+    assert plan.mode == "new" and sorted(p.name for p in tmp_path.iterdir()) == olds
+    with staging(plan) as tmp:
+        write_fake_artifact(tmp, make_manifest(k=1))
+    assert Manifest.load(out).num_speculative_tokens == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+    fake_artifact(tmp_path / ".art.old-0000000d")                           # beside an artifact in place: stale
+    fake_artifact(tmp_path / ".artist.old-0000000e")                        # another --out's: not ours
+    assert plan_out_dir(out).mode == "replace"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".artist.old-0000000e", "art"]
+
+
+# --- issue 39 item 9b: OS failures name their cause and leave nothing ---------------------------------------------
+
+def test_a_full_disk_while_writing_is_one_line_naming_the_cause(tmp_path: Path) -> None:
+    with pytest.raises(ExportError) as info:
+        with staging(plan_out_dir(tmp_path / "art")) as tmp:
+            with open(tmp / io.WEIGHTS_NAME, "wb") as f:
+                f.write(b"half")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))     # what f.write raises: no file named
+    assert str(info.value) == (f"--out {tmp_path / 'art'}: cannot write there: No space left on device; free "
+                               "space on that filesystem or choose another location")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_through_a_symlink_loop_or_to_nowhere_is_refused_before_any_work(tmp_path: Path) -> None:
+    (tmp_path / "loop").symlink_to("loop")
+    for out in (tmp_path / "loop", tmp_path / "loop" / "art"):
+        with pytest.raises(ExportError) as info:
+            plan_out_dir(out)
+        assert str(info.value) == (f"--out {out}: cannot write there: Too many levels of symbolic links "
+                                   f"({tmp_path / 'loop'}); a symbolic link on that path leads back to itself: "
+                                   "fix or remove the link")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ExportError, match="gone is a symbolic link to .*nowhere, which does not exist; remove"):
+        plan_out_dir(tmp_path / "gone")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gone", "loop"]

@@ -122,6 +122,54 @@ def test_every_named_file_lies_inside_the_artifact(edited, tiny_artifact, tmp_pa
     assert "outside the artifact directory" in refused(directory)
 
 
+def test_the_target_only_graphs_lie_inside_the_artifact_too(edited, source, tmp_path) -> None:
+    """Issue 39 item 3: a target_only path leading out of the artifact was loaded and run."""
+    os.symlink(source, tmp_path / "outside")          # so "../outside/..." names a real, loadable graph
+    for field, value in (("ort_model_file", "../outside/target_only.ort.onnx"),
+                         ("model_file", str(source / "target_only.onnx")), ("model_file", None)):
+        message = refused(edited(lambda d, f=field, v=value: d["target_only"].update({f: v})))
+        assert message.startswith(f"manifest: target_only.{field} is ") and "expected a plain file name" in message
+    directory = edited(lambda d: d["target_only"].update(ort_model_file="linked.onnx"))
+    os.symlink(source / "target_only.ort.onnx", directory / "linked.onnx")      # a plain name, linked out
+    message = refused(directory)
+    assert message.startswith("manifest: target_only.ort_model_file names linked.onnx, which resolves to ")
+    assert "outside the artifact directory" in message
+    os.symlink("loop.onnx", directory / "loop.onnx")
+    message = refused(edited(lambda d: d["target_only"].update(model_file="loop.onnx")))
+    assert "target_only.model_file names loop.onnx, a symbolic link that loops back on itself" in message
+
+
+# --- issue 39 item 9c: an onnxruntime too old is not a damaged artifact ------------------------------------------
+
+def test_an_onnxruntime_too_old_for_the_artifact_is_named_with_the_upgrade(edited, source, monkeypatch) -> None:
+    import onnx
+    import onnxruntime
+
+    from runtime.backends import ort
+
+    newer = edited(lambda d: None)                   # a graph stamped with an IR version no onnxruntime knows
+    model = onnx.load(str(newer / io.ORT_MODEL_NAME), load_external_data=False)
+    model.ir_version = 99
+    onnx.save(model, str(newer / io.ORT_MODEL_NAME))
+    message = refused(newer)
+    assert "Unsupported model IR version: 99, max supported IR version: " in message and "damaged" not in message
+    assert f"onnxruntime {onnxruntime.__version__} cannot load it" in message
+    assert "pip install -U onnxruntime" in message
+
+    def refuse_ir_10(*args: object, **kwargs: object) -> None:    # what an onnxruntime before IR 10 raises
+        raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Load model from model.ort.onnx failed:/onnxruntime_src/"
+                           "model.cc:125 Unsupported model IR version: 10, max supported IR version: 9\n")
+
+    monkeypatch.setattr(onnxruntime, "__version__", "1.16.3")
+    monkeypatch.setattr(onnxruntime, "InferenceSession", refuse_ir_10)
+    message = refused(source)
+    assert "onnxruntime 1.16.3 cannot load it (Unsupported model IR version: 10, max supported IR version: 9): " \
+           "unispec needs onnxruntime >= 1.31 (ONNX IR 10, opset 24); pip install -U onnxruntime" in message
+    assert "damaged" not in message
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert f"onnxruntime>={'.'.join(map(str, ort.MIN_ORT_VERSION))}" in pyproject      # one floor, said twice
+
+
 # --- item 2: memory -----------------------------------------------------------------------------------------------
 
 def test_sizes_from_a_crafted_manifest_are_refused_before_anything_is_allocated(edited) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,24 @@ def test_load_refuses_what_is_not_a_manifest(tmp_path: Path) -> None:
     (tmp_path / io.MANIFEST_NAME).write_text("[1, 2]")
     with pytest.raises(ArtifactError, match="must hold a JSON object"):
         Manifest.load(tmp_path)
+
+
+def test_every_file_field_is_a_plain_name_the_target_only_graphs_included() -> None:
+    """Issue 39 item 3: target_only's files were the one file fields left unchecked ("../outside/x.onnx" ran)."""
+    only = io.TargetOnlyGraph(model_file="target_only.onnx", ort_model_file="target_only.ort.onnx",
+                              inputs=sample().inputs, outputs=sample().outputs)
+    manifest = replace(sample(), target_only=only, engine={"plan": "engine.plan"})
+    for field, value in (("ort_model_file", "../outside/model.ort.onnx"), ("ort_model_file", "/abs/x.onnx"),
+                         ("model_file", "sub/target_only.onnx"), ("model_file", None)):
+        d = json.loads(manifest.to_json())
+        d["target_only"][field] = value
+        with pytest.raises(ArtifactError, match=rf"^manifest: target_only\.{field} is {re.escape(repr(value))}; "
+                                                "expected a plain file name inside the artifact directory"):
+            Manifest.from_dict(d)
+    assert [f for f, _ in io.named_files(manifest)] == [
+        "model_file", "weights_file", "ort_model_file", "target_only.model_file", "target_only.ort_model_file",
+        "tokenizer.files[0]", "engine.plan", "engine.settings"]
+    assert {"target_only.onnx", "target_only.ort.onnx"} <= set(io.artifact_files(manifest))   # replaced with it
 
 
 def test_specs_validate_dtypes_and_manifests_are_frozen() -> None:
