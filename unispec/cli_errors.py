@@ -28,10 +28,19 @@ class OneLineErrors(click.Group):
             raise click.ClickException(one_line(exc)) from None
 
 
+# modules of the optional extras (pyproject.toml) -> the extra that installs them; the core install lacks them
+EXTRAS = {"torch": "export", "onnxscript": "export", "onnx_ir": "export", "transformers": "export",
+          "safetensors": "export", "huggingface_hub": "export", "xgrammar": "structured", "fastapi": "serve",
+          "uvicorn": "serve", "onnxruntime_genai": "bench", "matplotlib": "bench"}
+
+
 def one_line(exc: Exception) -> str:
     """The CLI's line for an exception that ended a command (click's own errors aside)."""
     if isinstance(exc, UnispecError):
         return str(exc)
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in EXTRAS:
+        extra = EXTRAS[exc.name.split(".")[0]]
+        return f"this command needs {exc.name}, which comes with unispec's `{extra}` extra: pip install -e '.[{extra}]'"
     from export.out_dir import explain_os_error, os_error_in
 
     cause = os_error_in(exc)

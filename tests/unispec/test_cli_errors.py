@@ -134,3 +134,13 @@ def test_any_command_names_an_os_failure_by_its_cause_and_path(tmp_path: Path) -
     assert result.exit_code == 1 and result.output.strip() == (
         "Error: unexpected ValueError: an internal invariant broke; rerun with --debug for the traceback and "
         "please report it")
+
+
+def test_a_module_of_an_extra_missing_names_the_extra_to_install() -> None:
+    from unispec.cli_errors import one_line
+
+    missing = ModuleNotFoundError("No module named 'torch'", name="torch")
+    assert one_line(missing) == ("this command needs torch, which comes with unispec's `export` extra: "
+                                 "pip install -e '.[export]'")
+    assert "`structured` extra" in one_line(ModuleNotFoundError("x", name="xgrammar.testing"))
+    assert one_line(ModuleNotFoundError("No module named 'nope'", name="nope")).startswith("unexpected")
