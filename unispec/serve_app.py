@@ -8,15 +8,20 @@
 
 A streamed reply sends one chunk per engine step that made new text visible, then a chunk with the
 finish_reason (and the token ids when `return_token_ids` is set), an optional usage chunk, and `[DONE]`.
-Every error is OpenAI-shaped JSON: 400 for a request the model cannot serve as given (bad sampling
-values, a prompt too long, a schema on an artifact without structured output), 404 for an unknown model
-or route; an unexpected failure is a one-line 500 (its traceback goes to the server's log), and the
-server keeps serving.
+Every error is OpenAI-shaped JSON: 400 for a request the model cannot serve as given (a value of the wrong
+type, bad sampling values, a prompt too long, a schema on an artifact without structured output), 404 for
+an unknown model or route, 413 for a body over `max_request_bytes`; an unexpected failure is a one-line
+500 (its traceback goes to the server's log), and the server keeps serving.
+
+Hostile input is refused before it costs much: a body over the limit by its Content-Length before a byte
+of it is read (and a chunked one as soon as it passes the limit), a prompt text longer than any prompt
+that fits the context before it is tokenized (ServedModel.encode), then a prompt by its tokens.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -42,6 +47,7 @@ def build_app(model: ServedModel) -> FastAPI:
 
     app = FastAPI(title="unispec", version=__version__, docs_url=None, redoc_url=None)
     _error_handlers(app, model)
+    app.add_middleware(_BodyLimit, model=model)
     started = int(time.time())
 
     @app.get("/health")
@@ -152,15 +158,20 @@ def _error_handlers(app: FastAPI, model: ServedModel) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
+        # the deepest error: of a union's branches, the one that got furthest (a bad chat content part's text,
+        # not "content is not a string")
+        first = max(exc.errors(), key=lambda e: len(e.get("loc", ())), default={})
         if first.get("type") == "json_invalid":
             return reply(400, error_body("the request body is not valid JSON", 400, code="invalid_json"))
-        where = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request body')}"
-        return reply(400, error_body(message, 400, param=where[0] if where else None, code="invalid_body"))
+        where = [part for part in first.get("loc", ()) if part != "body" and not _UNION_BRANCH.match(str(part))]
+        problem = first.get("msg", "invalid request body").removeprefix("Value error, ")
+        message = f"{_field_path(where) or 'body'}: {problem}"
+        return reply(400, error_body(message, 400, param=str(where[0]) if where else None, code="invalid_body"))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 413:
+            return reply(413, _too_large(model))
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return reply(exc.status_code, error_body(message, exc.status_code))
 
@@ -168,6 +179,49 @@ def _error_handlers(app: FastAPI, model: ServedModel) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("request %s %s failed", request.method, request.url.path)
         return reply(500, error_body(f"internal error: {_one_line(exc)}", 500))
+
+
+def _too_large(model: ServedModel) -> dict:
+    return error_body(f"the request body is over this server's limit of {model.max_request_bytes} bytes; send a "
+                      "shorter prompt, or restart the server with a larger --max-request-bytes", 413,
+                      code="request_too_large")
+
+
+class _BodyLimit:
+    """ASGI middleware: a 413 for a body over `model.max_request_bytes`, from its Content-Length before a
+    byte of it is read, or as soon as a chunked body passes the limit (not after reading all of it)."""
+
+    def __init__(self, app: Any, model: ServedModel) -> None:
+        self.app, self.model = app, model
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.model.max_request_bytes
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            self.model.metrics.rejected.labels(status="413").inc()
+            return await JSONResponse(_too_large(self.model), status_code=413)(scope, receive, send)
+        received = 0
+
+        async def limited() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise HTTPException(413)      # FastAPI passes it on from its body reading to the handler
+            return message
+
+        await self.app(scope, limited, send)
+
+
+# pydantic puts a union branch in an error's location (`str`, `list[ContentPart]`): not a request field
+_UNION_BRANCH = re.compile(r"^(str|int|float|bool|list|dict)$|^[\w-]+\[.*\]$")
+
+
+def _field_path(loc: list[Any]) -> str:
+    """("messages", 0, "role") -> messages[0].role"""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
 
 
 def run_uvicorn(config: ServeConfig) -> None:

@@ -38,6 +38,8 @@ class ServeMetrics:
                                 ["status"], registry=r)
         self.prompt_tokens = Counter("unispec_prompt_tokens", "Prompt tokens of requests that reached the engine", registry=r)
         self.generation_tokens = Counter("unispec_generation_tokens", "Generated tokens", registry=r)
+        self.preemptions = Counter("unispec_preemptions", "Times a request lost its KV blocks to a full pool and "
+                                   "was recomputed (counted when the request ends)", registry=r)
         self.ttft = Histogram("unispec_time_to_first_token_seconds", "Submission to first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("unispec_inter_token_latency_seconds", "Per request: mean time between generated "
@@ -81,6 +83,7 @@ class ServeMetrics:
         m = output.metrics
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generation_tokens.inc(m.num_generated)
+        self.preemptions.inc(m.num_preemptions)
         if output.finish_reason == "cancelled":
             return
         if not math.isnan(m.time_to_first_token_s):

@@ -7,6 +7,11 @@ accepted in the body too (the openai client's `extra_body`): `top_k`, `min_p`, `
 logprobs, penalties, tools, ...) are refused with a 400 when set to anything but their neutral value:
 ignoring them would hand the client an answer it did not ask for. Unknown fields are ignored, as vLLM does.
 
+Types are strict, as the Python API's are: a bool is not an int (`"max_tokens": true` is a 400), a string
+is not a bool (`"stream": "yes"`), a number field takes ints (`"temperature": 1`), an int field takes
+whole floats (`16.0`: JSON Schema's integer), and text must be valid Unicode (a lone surrogate such as
+`"\\ud800"` cannot be tokenized or sent back). A refused value is a 400 naming its field.
+
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -18,15 +23,18 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from runtime.errors import InvalidRequestError
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import RequestOutput
 
 __all__ = ["APIError", "ChatRequest", "CompletionRequest", "Reply", "error_body"]
+
+# every request model: no coercion between JSON types, no NaN or Infinity (see the module docstring)
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 
 # OpenAI field -> its neutral values; anything else is refused (see the module docstring)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -65,17 +73,52 @@ class APIError(Exception):
         return cls(400, message.replace("SamplingParams.", ""), param=param, code=code)
 
 
+def _valid_text(text: str) -> str:
+    """Text the tokenizer can take and a reply can echo: no lone UTF-16 surrogate (JSON's `\\ud800`)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holds a lone surrogate ({text[exc.start]!r} at character {exc.start}); send valid "
+                         "Unicode text") from None
+    return text
+
+
+def _whole_number(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+Int = Annotated[int, BeforeValidator(_whole_number)]
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompt_shape(value: Any) -> Any:
+    """OpenAI's four prompt shapes, one message for anything else (a union's would list every branch)."""
+    if isinstance(value, str):
+        return _valid_text(value)
+    if isinstance(value, list) and all(isinstance(p, str) for p in value):
+        return [_valid_text(p) for p in value]
+    if _is_token_ids(value) or (isinstance(value, list) and all(_is_token_ids(p) for p in value)):
+        return value
+    raise ValueError("must be a string, a list of token ids (ints), or a list holding one of those")
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class JsonSchema(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-    name: str = "response"
+    model_config = ConfigDict(extra="allow", populate_by_name=True, **STRICT)
+    name: Text = "response"
     schema_: dict[str, Any] = Field(alias="schema")
 
 
 class ResponseFormat(BaseModel):
+    model_config = STRICT
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
@@ -93,19 +136,19 @@ class ResponseFormat(BaseModel):
 class _Request(BaseModel):
     """What completions and chat completions share: model, sampling, streaming, structured output."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str
+    model_config = ConfigDict(extra="allow", **STRICT)
+    model: Text
     # OpenAI marks these nullable: null means the default
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None    # 1.0
     top_p: float | None = None          # 1.0 (off)
-    top_k: int = 0                      # off; vLLM's -1 too
+    top_k: Int = 0                      # off; vLLM's -1 too
     min_p: float = 0.0                  # off
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Int | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int | None = None                # 1
+    n: Int | None = None                # 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -142,7 +185,7 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], BeforeValidator(_prompt_shape)]
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (text or token ids); a list of several prompts is refused."""
@@ -155,24 +198,30 @@ class CompletionRequest(_Request):
         return prompt
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", **STRICT)
+    type: Text
+    text: Text = ""
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    model_config = ConfigDict(extra="allow", **STRICT)
+    role: Text
+    content: Text | list[ContentPart] | None = None
 
     def as_dict(self, index: int) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):
-            if any(part.get("type") != "text" for part in content):
+            if any(part.type != "text" for part in content):
                 raise APIError(400, f"messages[{index}] has a non-text content part; this model reads text only",
                                param="messages")
-            content = "".join(str(part.get("text", "")) for part in content)
+            content = "".join(part.text for part in content)
         return {"role": self.role, "content": content or ""}
 
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
 
     def _max_tokens(self, default: int) -> int:
         chosen = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -125,3 +125,42 @@ def without_structured_output(artifact: Path, out: Path) -> Path:
     manifest = json.loads((out / "manifest.json").read_text())
     (out / "manifest.json").write_text(json.dumps({**manifest, "structured_output": False}))
     return out
+
+
+def raw_post(base_url: str, path: str, body_parts: list[bytes], *, headers: dict[str, str] | None = None,
+             timeout: float = 30.0) -> tuple[int, dict]:
+    """POST over a bare socket, for bodies no client library sends: a Content-Length the body never
+    reaches, a chunked body (`Transfer-Encoding: chunked` in headers; each part one chunk). Returns the
+    status and the JSON reply, read as soon as it has come (the rest of the body may never be sent)."""
+    host, port = base_url.removeprefix("http://").split(":")
+    # no `Connection: close`: a server that refuses a body and closes before reading it would reset the
+    # connection under the reply; kept alive, it reads and drops the rest
+    head = {"Host": host, "Content-Type": "application/json", **(headers or {})}
+    chunked = head.get("Transfer-Encoding") == "chunked"
+    if chunked:
+        body_parts = [b"%x\r\n%s\r\n" % (len(p), p) for p in body_parts if p] + [b"0\r\n\r\n"]
+    elif "Content-Length" not in head:
+        head["Content-Length"] = str(sum(map(len, body_parts)))
+    request = f"POST {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items()) + "\r\n"
+    with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+        conn.sendall(request.encode())
+        for part in body_parts:
+            conn.sendall(part)
+        return _read_reply(conn)
+
+
+def _read_reply(conn: socket.socket) -> tuple[int, dict]:
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _content_length(data):
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body[:_content_length(data)])
+
+
+def _content_length(data: bytes) -> int:
+    head = data.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
+    lengths = [line.split(":", 1)[1] for line in head.split("\r\n") if line.startswith("content-length:")]
+    return int(lengths[0]) if lengths else 1 << 62
