@@ -11,8 +11,8 @@ Adaptive speculation (runtime/speculation.py): a step runs the speculative graph
 target-only graph (K = 0, the draft pool left alone). A row remembers how far its draft KV reaches
 (`draft_len`); before a speculative step, a row that decoded target-only since is rolled back to it and
 recomputed, like a preempted one. `speculation="auto"` chooses per step from measured step times and
-acceptance; "always" / "never" force one graph. Under "auto" a seeded sampled request's tokens depend on
-which graph ran each step (both are exact samples of the target).
+acceptance; "always" / "never" force one graph. Under "auto" a step with a seeded sampled row speculates,
+so that request's tokens do not depend on the batch or on timing (see runtime/speculation.py).
 """
 
 from __future__ import annotations
@@ -124,7 +124,9 @@ class Engine:
     # --- requests -----------------------------------------------------------------------------------------
 
     def check_request(self, prompt: Sequence[int], params: SamplingParams, where: str = "prompt") -> CheckedRequest:
-        """The request validated and its grammar compiled; a one-line InvalidRequestError if it cannot run here."""
+        """The request validated and its grammar compiled; a one-line InvalidRequestError if it cannot run here.
+        It reads only settings fixed at construction, so callers may run it without the LLM's lock (and do:
+        compiling may take up to the grammar compiler's timeout)."""
         validate_prompt(prompt, self.manifest, where, max_model_len=self.max_model_len)
         max_new = min(params.max_tokens, self.max_model_len - len(prompt))
         worst = self.manifest.blocks_per_row(len(prompt) + max_new)

@@ -14,7 +14,8 @@ Thread safety: one lock guards the engine. A caller waiting for its requests tak
 one step for every request in flight, whoever submitted it, then lets the next caller in; so threads
 calling `generate` / iterating streams at the same time share batches (continuous batching), and each
 gets exactly its own outputs. A step that fails raises in the thread that ran it, which cancels its own
-requests; the others carry on with the next step.
+requests; the others carry on with the next step. A request is checked, and its grammar compiled, in its
+caller's thread before the lock is taken (runtime/structured.py bounds how long that may take).
 """
 
 from __future__ import annotations
@@ -125,12 +126,15 @@ class LLM:
                                   "or a list of chat messages")
 
     def _submit(self, prompts: list[Prompt], params: list[SamplingParams], *, stream: bool = False) -> list[Hashable]:
-        """Check every request (once), then queue them all (nothing is queued when one is bad)."""
+        """Check every request (once), then queue them all (nothing is queued when one is bad).
+
+        The checks, grammar compilation included, run in the caller's thread without the lock: a constraint
+        that takes seconds to compile must not stall the steps of the requests already running."""
         encoded = [self._token_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        checked = [self.engine.check_request(ids, sp, f"prompt {i}")
+                   for i, (ids, sp) in enumerate(zip(encoded, params))]
         with self._lock:
             self._reap()
-            checked = [self.engine.check_request(ids, sp, f"prompt {i}")
-                       for i, (ids, sp) in enumerate(zip(encoded, params))]
             request_ids = []
             try:
                 for request in checked:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,13 +27,24 @@ from runtime.errors import InvalidRequestError
 __all__ = ["InvalidRequestError", "SamplingParams"]
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "grammar")
-# Bounds on what a request may ask for (README "Limits"). The graph takes temperature as float32 and top_k
-# as int64; seeds name a 64-bit stream, so larger ones would wrap onto smaller ones' streams.
-MAX_TEMPERATURE = 3.4028234663852886e38      # float32's largest finite value
+# Bounds on what a request may ask for (README "Limits"). The graph takes top_k as int64; seeds name a 64-bit
+# stream, so larger ones would wrap onto smaller ones' streams. Temperature: at 100 a typical logit spread
+# (~20) is ~0.2 after tempering, already a near-uniform draw, so a higher one buys nothing; far higher, the
+# tempered logits' differences fall below float32's resolution (at 1e20 every token ties exactly) and top-k /
+# top-p / min-p pick among ties: the filters lose their meaning. (OpenAI's API stops at 2.)
+MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 2**31 - 1
 SEED_LIMIT = 2**64
 MAX_STOP = 64                            # stop entries (strings and token ids)
 MAX_STOP_CHARS = 1024                    # characters of one stop string
+# A constraint is compiled before its request runs, and compiling grows fast with its size (measured with
+# xgrammar 0.2.8 on the bundled 1,024-token vocabulary, a shared 2-core machine: a schema's enum of 4,000
+# values, 55 kB, 0.14 s; 12,000, 169 kB, 1.8 s; 20,000, 289 kB, 20 s) and with the cube of a JSON schema's
+# nesting (an object in an object ... 50 deep, 0.09 s; 100, 0.6 s; 200, 4.7 s; 300, 18 s). These bounds keep
+# it well under a second; runtime/structured.py bounds the time of what still compiles slowly.
+MAX_CONSTRAINT_BYTES = 64 * 1024         # UTF-8 bytes of a json_schema / regex / grammar
+MAX_SCHEMA_DEPTH = 64                    # nesting of a JSON schema's {} / [] (an object property costs 2)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 def _is_int(value: object) -> bool:
@@ -97,6 +109,8 @@ class SamplingParams:
         if len(chosen) > 1:
             raise InvalidRequestError(f"SamplingParams sets {' and '.join(chosen)}; give at most one of "
                                       f"{', '.join(GRAMMAR_FIELDS)}")
+        if chosen:
+            _check_constraint_size(chosen[0], getattr(self, chosen[0]))
 
     def _checks(self) -> list[tuple[str, bool, str]]:
         stop_ok = isinstance(self.stop, tuple) and len(self.stop) <= MAX_STOP and all(
@@ -104,7 +118,8 @@ class SamplingParams:
         return [
             ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1"),
             ("temperature", _is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
-             f"a finite float >= 0 and <= {MAX_TEMPERATURE:.4g} (the graph takes it as float32)"),
+             f"a float >= 0 and <= {MAX_TEMPERATURE:g} (0 = greedy; {MAX_TEMPERATURE:g} already samples near "
+             "uniformly, and far above it top-k / top-p would act on float32 ties)"),
             ("top_k", _is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K, f"an int >= 0 and <= {MAX_TOP_K} (0 = off)"),
             ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a float in (0, 1] (1 = off)"),
             ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "a float in [0, 1] (0 = off)"),
@@ -136,6 +151,31 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 return name, getattr(self, name)
         return None
+
+
+def _check_constraint_size(kind: str, spec: str) -> None:
+    """One line when a constraint is too large (or a schema too deep) to compile quickly."""
+    size = len(spec.encode("utf-8", "surrogatepass"))
+    if size > MAX_CONSTRAINT_BYTES:
+        raise InvalidRequestError(f"SamplingParams.{kind} is {size} bytes, over the limit of {MAX_CONSTRAINT_BYTES} "
+                                  "(larger constraints take seconds to compile); shorten it, e.g. fewer enum values "
+                                  "or alternatives")
+    depth = _json_depth(spec) if kind == "json_schema" else 0
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidRequestError(f"SamplingParams.json_schema nests {depth} levels deep, over the limit of "
+                                  f"{MAX_SCHEMA_DEPTH} (compiling grows with the cube of the depth); flatten it")
+
+
+def _json_depth(text: str) -> int:
+    """How deep a JSON text's objects and arrays nest (brackets inside strings do not count)."""
+    depth = deepest = 0
+    for char in _JSON_STRING.sub("", text):
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 def _short(value: object, limit: int = 60) -> str:

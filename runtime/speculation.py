@@ -1,88 +1,32 @@
 """Adaptive speculation: per step, run the speculative graph or the artifact's target-only graph.
 
-Speculation pays when the tokens a speculative step commits per row outweigh its extra cost:
+    speculate  iff  mean over rows (1 + expected accepted drafts)  >  bar * t_spec(B) / t_target(B)
 
-    speculate  iff  mean over rows (1 + expected accepted drafts)  >  t_spec(B) / t_target(B)
-
-- t_spec(B), t_target(B): this engine's own measured wall time of decode steps (every row decoding) of
-  each graph, per batch-size bucket (powers of two) and per kind of step (greedy only, or some row
-  sampling: sampled steps cost more): the lower quartile of its last TIME_WINDOW timed decode steps,
-  counted once MIN_SAMPLES made it. The first WARMUP_STEPS of each are not timed and the quartile
-  shrugs off the rest of a session's slow first runs on a new shape (ORT plans its memory; measured:
-  ~10 steps at 2.5x to 1.3x) and the spikes of a shared machine: timed from its first step, DeepSeek-V3
-  + MTP's batch-1 speculative step came out 1.35 ms against ~1.1 ms, enough to never speculate. Unmeasured,
-  the current mode keeps measuring and target-only (cheap to enter) is explored from speculation; from
-  target-only, a bucket whose speculative time is unknown borrows the nearest measured bucket's ratio
-  rather than paying a recompute to explore it, scaled by (B / B') ** BORROW_EXPONENT: the speculative
-  step gets dearer relative to the target-only one as the batch grows (measured, bundled pairs: Gemma 4
-  1.6x at batch 1, 2.9x at 4; DFlash 2.4x, 3.7x, 5.2x at 1, 4, 16). Borrowed as is, batch 1's ratio
-  started Gemma 4 speculating on every batch of 4 (0.75x of target-only).
+- t_spec(B), t_target(B): this engine's measured wall time of decode steps of each graph, per batch bucket
+  (powers of two) and kind of step (all greedy, or some row sampling): the lower quartile of the last
+  TIME_WINDOW steps after WARMUP_STEPS untimed ones (a new shape's first runs and a shared machine's spikes
+  would otherwise decide). A bucket not yet timed speculatively borrows the nearest one's ratio, scaled by
+  (B / B') ** BORROW_EXPONENT, since the speculative step gets dearer with the batch.
 - expected accepted drafts: each row's mean over its last ROW_WINDOW verified steps, pulled towards the
-  engine-wide mean of rows of its kind (greedy / sampled) while it has few, so new rows start informed.
-  That mean is over the last PRIOR_WINDOW verified row-steps (several requests): per-request acceptance
-  varies ~3x on the bundled pairs (DFlash, greedy: 1.1 to 5.9 drafts), and a short memory (it was an
-  EMA of ~20 steps) let one or two hard requests push every later one to target-only, which then never
-  measured acceptance again (batch 1: 77% target-only, 0.96x, where speculating every step gave 1.49x).
-  Over a window of steps the mean is tokens per step, the figure a step-cost comparison needs. It
-  starts at K (optimistic: speculation is measured before it is judged), K counting as PRIOR_WEIGHT
-  steps until that many were seen. Kept in the mean for good (as PRIOR_WEIGHT steps), K would lift
-  the few probes' steps a target-only policy learns from: tried, DeepSeek-V3 + Eagle3 at batch 1, greedy,
-  no longer stayed target-only after probes met hard requests (1 trial of 4 had: 0.97x, against
-  1.19-1.23x), but Llama 3 + DFlash (K = 7) at batch 1, T 0.7 went on probing, 0.920x of target-only.
+  engine-wide mean over PRIOR_WINDOW row-steps of its kind while it has few (requests vary ~3x; a short
+  memory let one hard request push every later one to target-only for good). It starts at K.
+- the bar: (1 + START_MARGIN)(1 + BATCH_MARGIN log2 B) to start speculating, 1 + STAY_MARGIN to keep on
+  (a request that leaves speculation half-way does worse than either graph throughout, and a batch's
+  uneven tail is not visible in single steps); resuming adds up to ENTER_MARGIN for the tokens rows must
+  recompute. A decision holds MIN_DWELL steps and is looked at again every RECHECK.
 - switching: the target-only graph leaves the draft pool alone, so a row that decoded target-only is
-  recomputed (from its first position without draft KV) before it speculates again, and its first
-  speculative step has no drafts to verify. A decision therefore holds for MIN_DWELL steps; staying in
-  speculation needs a decode gain of 1 + STAY_MARGIN at batch 1 (what decode steps alone do not show
-  costs it too: its prefill runs the drafter; measured at batch 1 on the five bundled pairs, speculating
-  every step gave 0.90-0.96 of the gain the decode-step model expected), resuming it up to ENTER_MARGIN
-  more, in proportion to the tokens to recompute (full at ENTER_GAP per row). A step whose rows are all
-  new (nothing to recompute) is decided afresh even within a target-only dwell, and a step whose rows have
-  not decoded yet even within a speculative one: a dwell that the last rows of an earlier batch started
-  (speculation pays in a batch's small tail) held a new batch of 16 speculating under the bar to start
-  (measured with a better-trained Llama 3 Eagle3 head, batch 16, T 0.7: passes that speculated throughout,
-  0.90x of target-only). Rows that would recompute are not switched to speculation with fewer than
-  ENTER_GAP / 2 tokens left each: a batch's last rows (its prompts were prefilled in chunks, so they finish
-  a step or two after the others) recomputed ~110 tokens each to speculate for their last one or two
-  (same head, batch 16, greedy: 0.79x). A decision that stays is
-  looked at again every RECHECK steps (the host's share of a batch-1 step is ~10%; the policy's per-step
-  cost is kept to a few microseconds).
-- probes: speculation probes target-only after FIRST_PROBE steps in a mode, then twice as long each time
-  up to PROBE_INTERVAL, on a schedule of its own for each batch bucket and kind of step: a probe is what
-  re-times the graph not in use, and an estimate first measured in a slow spell (a new shape's first runs)
-  otherwise stays while the probes of other buckets have stretched to PROBE_INTERVAL (Gemma 4 + its
-  assistant, batch 4, greedy, after the batch-1 cells: speculation on every step at 0.905x of target-only
-  where the cell's own step times gave 1.07x, so target-only's estimate was at least 1.26x its time).
-  Target-only steps are the cheap ones, so these probes cost little. Target-only probes speculation
-  (which is also what refreshes acceptance, only speculative steps measure it) on the same doubling, on
-  one schedule for all buckets (each probe costs several target-only steps' worth), and only while its
-  rows have little to recompute (at most ENTER_GAP / 4 tokens each): a probe that recomputes whole
-  sequences costs more than it can find (measured: batch 4, DeepSeek-V3 + MTP, 0.89x against 0.94x for
-  always speculating and 0.99x for never); and only when its expected gain is at least PROBE_REACH of the
-  bar (at batch 16, T 0.7 it is ~0.2, and four speculative steps cost ~20 target-only ones). A probe of
-  speculation lasts MIN_DWELL / 2 steps: a request's first steps accept less than its later ones
-  (DeepSeek-V3 + MTP, greedy: 1.5 drafts in the first four, 2.1 after), and probes start with new
-  requests.
+  recomputed before it speculates again; rows with under ENTER_GAP / 2 tokens left are not switched.
+- probes: each mode re-times the other after FIRST_PROBE steps, then twice as long each time up to
+  PROBE_INTERVAL; probes of speculation only when rows have little to recompute and the expected gain is
+  at least PROBE_REACH of the bar, lasting MIN_DWELL / 2 steps.
+- seeded sampled rows (seed set, temperature > 0): both graphs draw exact samples of the target, but not
+  the same samples from the same noise, so while such a row is in the step `auto` runs the speculative
+  graph (whose seeded tokens do not depend on the batch) and leaves its choosing state alone; requests
+  sharing that batch speculate too.
 
-Batches: rows that speculate finish unevenly (a request's acceptance varies ~3x), so a batch's last rows
-decode on in small, less efficient steps, which no single step's costs show; the bar is therefore
-(1 + START_MARGIN)(1 + BATCH_MARGIN log2 B) to start speculating (from target-only, or over rows that
-have not decoded yet). START_MARGIN is above STAY_MARGIN because a request that starts speculating and
-leaves it half-way did worse than with either graph throughout (its prefill ran the drafter too): on a
-machine where DeepSeek-V3 + Eagle3's speculative step had become dearer (~2.4x a target-only step instead
-of ~2.2x), with a decode-step gain near 1.05x at batch 1, T 0.7, requests that started speculating and left
-after their dwell ran at 0.75-0.92x of target-only, those that speculated throughout at 1.03-1.07x, and the
-cell at 0.93x. Measured, speculating every step on the bundled Llama 3 + Eagle3, greedy: the
-decode-step model expected 1.53x / 1.25x / 1.26x at batch 1 / 4 / 16, and the runs gave 1.38x / 1.00x /
-0.88x. Once rows speculate, they keep on while the gain clears 1 + STAY_MARGIN alone: leaving half-way
-was worse than either graph throughout (same pair, batch 4: repeats that switched to target-only midway
-ran at 0.72-0.89x of target-only, those that speculated to the end at 0.91-1.18x). Speculation a probe
-started is not such a choice: it is kept only over the bar to start. Kept over 1 + STAY_MARGIN instead,
-a probe at batch 16 (DeepSeek-V3 + Eagle3, greedy: decode-step gain ~1.1x, 0.83x when speculating every
-step) went on speculating in 7 of 16 repeats and the cell ran at 0.93x of target-only.
-
-Peers: vLLM turns speculation off above a batch size (`speculative_disable_by_batch_size`); TRT-LLM and
-SGLang adapt the draft length to the batch. Here the switch is whole-step, costed, and per artifact.
 Forcing: `speculation="always"` (the speculative graph every step) or `"never"` (target-only every step).
+Peers: vLLM turns speculation off above a batch size; TRT-LLM and SGLang adapt the draft length. The
+measurements behind each constant: docs/notes/adaptive-speculation.md.
 """
 
 from __future__ import annotations
@@ -135,6 +79,7 @@ class SpeculationPolicy:
         self._seen: dict[bool, deque[int]] = {s: deque(maxlen=PRIOR_WINDOW) for s in (False, True)}
         self._seen_sum = {False: 0, True: 0}
         self.counts: Counter[str] = Counter()                      # steps of each kind
+        self.pinned = 0                  # speculative steps chosen for seeded sampled rows, not by cost
         self.current = SPECULATIVE if mode != "never" else TARGET_ONLY
         self._dwell = self._since_probe = 0
         self._probe_after: dict[tuple[int, bool] | None, int] = {}  # steps before a probe (key: see choose)
@@ -146,6 +91,9 @@ class SpeculationPolicy:
             return TARGET_ONLY                       # a `none` artifact's one graph is target-only too
         if self.mode == "always" or not self.adaptive:
             return SPECULATIVE
+        if any(_seeded_sampled(r) for r in rows):
+            self.pinned += 1
+            return SPECULATIVE                       # reproducible seeded tokens, see the module's note
         self._since_probe += 1
         fresh = not any(r.generated for r in rows)      # a batch that has not decoded: the bar to start is its own
         if self._dwell > 0 and not fresh and not (self.current == TARGET_ONLY and _all_new(rows)):
@@ -288,6 +236,10 @@ def _bucket(batch: int) -> int:
 
 def _greedy(row: SequenceState) -> bool:
     return row.params.temperature < 1e-5
+
+
+def _seeded_sampled(row: SequenceState) -> bool:
+    return row.params.seed is not None and not _greedy(row)
 
 
 def _any_sampled(rows: Sequence[SequenceState]) -> bool:

@@ -55,3 +55,38 @@ def test_constraints_are_canonical_and_exclusive() -> None:
                                                   "grammar") as info:
         SamplingParams(regex="a", grammar='root ::= "a"')
     assert "\n" not in str(info.value)
+
+
+def test_temperature_is_bounded_where_the_filters_keep_their_meaning() -> None:
+    assert SamplingParams(temperature=100).temperature == 100 and SamplingParams(temperature=0).temperature == 0
+    for hot in (100.5, 1e20, 3.4e38):                     # 1e20 was accepted: every tempered logit ties in float32
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(temperature=hot)
+        assert str(info.value) == (f"SamplingParams.temperature={hot!r} is invalid; use a float >= 0 and <= 100 "
+                                   "(0 = greedy; 100 already samples near uniformly, and far above it top-k / top-p "
+                                   "would act on float32 ties)")
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_constraints_too_large_or_too_deep_to_compile_quickly_are_refused_in_one_line() -> None:
+    enum = {"type": "object", "properties": {"v": {"enum": [f"value-{i}" for i in range(20_000)]}}}
+    with pytest.raises(InvalidRequestError) as info:      # compiled for 11-13 s under the engine's lock
+        SamplingParams(json_schema=enum)
+    assert str(info.value).startswith("SamplingParams.json_schema is 288") and "over the limit of 65536" in \
+        str(info.value) and "fewer enum values" in str(info.value)
+    for field in ("regex", "grammar"):
+        with pytest.raises(InvalidRequestError, match=f"^SamplingParams.{field} is 65537 bytes, over the limit"):
+            SamplingParams(**{field: "a" * 65_537})
+    assert SamplingParams(regex="é" * 32_768).regex                        # 65536 bytes: at the limit
+    assert SamplingParams(json_schema=_nested(31)).json_schema           # 63 levels of {} (2 per object)
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(json_schema=_nested(32))
+    assert str(info.value) == ("SamplingParams.json_schema nests 65 levels deep, over the limit of 64 (compiling "
+                               "grows with the cube of the depth); flatten it")
+    assert SamplingParams(json_schema={"type": "string", "pattern": "[{" * 100}).json_schema   # strings do not nest
