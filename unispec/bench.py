@@ -128,8 +128,11 @@ class UnispecRunner:
         from runtime.sampling_params import SamplingParams
         from runtime.sequence import acceptance_summary
 
+        # unseeded under auto: a seeded sampled request pins its steps to the speculative graph (reproducible
+        # tokens, runtime/speculation.py), which would measure `always`, not what auto gives most requests
+        pinned = self.llm.engine.policy.mode != "auto"
         params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=self.top_p, ignore_eos=True,
-                                 seed=i) for i in range(len(prompts))]
+                                 seed=i if pinned else None) for i in range(len(prompts))]
         self.llm.engine.reset_timings()
         started = time.perf_counter()
         outputs = self.llm.generate(prompts, params)

@@ -56,7 +56,8 @@ class Unavailable:
 
 def peer_runners(config: BenchConfig, manifest: Manifest, checkpoint: Path | None) -> tuple[list[Runner], list[str]]:
     """The peers config.peers asks for, in report order, and notes for the report."""
-    notes = [f"{config.threads} intra-op threads for ONNX Runtime (unispec), torch and onnxruntime-genai"]
+    notes = [f"{config.threads} intra-op threads for ONNX Runtime (unispec), torch and onnxruntime-genai",
+             _kernel_isa()]
     missing = _checkpoint_problem(checkpoint)
     runners: list[Runner] = []
     if "transformers" in config.peers:
@@ -313,3 +314,13 @@ def _cpu_model() -> str | None:
     except OSError:
         return None
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
+
+def _kernel_isa() -> str:
+    """Which build of unispec's native CPU kernels this process runs (plugins/ort_cpu/variants.py)."""
+    from plugins import ort_cpu
+
+    try:
+        return f"native CPU kernels: {ort_cpu.isa()} build (UNISPEC_ORT_CPU_ISA picks another)"
+    except ort_cpu.IsaError as exc:
+        return f"native CPU kernels: {exc}"

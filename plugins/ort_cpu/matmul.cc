@@ -54,15 +54,22 @@ namespace unispec_cpu {
 namespace {
 
 constexpr int64_t kPanel = 32;      // output columns per panel
-constexpr int64_t kKc = 256;        // k values per block when many rows share a panel (32 KiB of panel)
-constexpr int64_t kManyRows = 16;   // above this many rows, k is blocked (up to 16 read a panel from L2)
-
 #if defined(__AVX512F__)
 constexpr int kMr = 8;              // rows per tile: 8 x 2 zmm accumulators
+constexpr int64_t kKc = 256;        // k values per block when many rows share a panel (32 KiB of panel)
+constexpr int64_t kManyRows = 16;   // above this many rows, k is blocked (up to 16 read a panel from L2)
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kMr = 3;              // 3 x 4 ymm accumulators
+// 3 x 4 ymm accumulators. A verify's 8 rows are 3 tiles, so each walks the panel: unblocked, the first streamed
+// it from memory and the FMAs of the others waited on it (8 rows ran at ~1.5x AVX-512's time on a weight
+// out of cache). Past one tile's rows, k is blocked in blocks of 16 KiB, and the tiles of one block
+// prefetch the next one into L2 while they work, so the stream overlaps the FMAs as in AVX-512's one pass.
+constexpr int kMr = 3;
+constexpr int64_t kKc = 128;
+constexpr int64_t kManyRows = kMr;
 #else
 constexpr int kMr = 4;
+constexpr int64_t kKc = 256;
+constexpr int64_t kManyRows = 16;
 #endif
 
 struct Packed {
@@ -139,10 +146,10 @@ inline float widen(float w) { return w; }
 inline float widen(uint16_t w) { return half_to_float(w); }
 
 // acc[MR][32] (+)= x[MR rows, k0 .. k0 + kc) · panel[k0 .. k0 + kc), written to y (stride ldy) for the
-// first `cols` columns; `first` starts from zero, else from y.
+// first `cols` columns; `first` starts from zero, else from y; `ahead`: see rows_by_block.
 template <int MR, typename W>
 inline void tile(const float* x, int64_t ldx, const W* panel, int64_t kc, float* y, int64_t ldy, int64_t cols,
-                 bool first) {
+                 bool first, int64_t ahead) {
   alignas(64) float out[MR][kPanel];
   if (!first)
     for (int i = 0; i < MR; ++i) {
@@ -179,6 +186,10 @@ inline void tile(const float* x, int64_t ldx, const W* panel, int64_t kc, float*
     const W* b = panel + k * kPanel;
     _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kPanel), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(b + 16 * kPanel + 16), _MM_HINT_T0);
+    if (ahead > 0) {                 // the next k block's row, into L2
+      _mm_prefetch(reinterpret_cast<const char*>(b + ahead), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(b + ahead + 16), _MM_HINT_T1);
+    }
     const __m256 b0 = load8(b), b1 = load8(b + 8), b2 = load8(b + 16), b3 = load8(b + 24);
     for (int i = 0; i < MR; ++i) {
       const __m256 a = _mm256_set1_ps(x[i * ldx + k]);
@@ -200,24 +211,25 @@ inline void tile(const float* x, int64_t ldx, const W* panel, int64_t kc, float*
   for (int i = 0; i < MR; ++i) std::memcpy(y + i * ldy, out[i], sizeof(float) * cols);
 }
 
-// rows of x (stride ldx) times panel block [k0, k0 + kc) into y, in tiles of up to kMr rows.
+// rows of x (stride ldx) times panel block [k0, k0 + kc) into y, in tiles of up to kMr rows; `ahead`: how far
+// past a row of the block the next block's row lies, prefetched into L2 by AVX2's tiles (0: none).
 template <typename W>
 void rows_by_block(const float* x, int64_t rows, int64_t ldx, const W* panel, int64_t kc, float* y, int64_t ldy,
-                   int64_t cols, bool first) {
+                   int64_t cols, bool first, int64_t ahead) {
   int64_t m = 0;
-  for (; m + kMr <= rows; m += kMr) tile<kMr>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first);
+  for (; m + kMr <= rows; m += kMr) tile<kMr>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first, ahead);
   switch (rows - m) {   // the last few rows, one tile of their own size
 #if defined(__AVX512F__)
-    case 7: tile<7>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first); break;
-    case 6: tile<6>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first); break;
-    case 5: tile<5>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first); break;
-    case 4: tile<4>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first); break;
+    case 7: tile<7>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first, ahead); break;
+    case 6: tile<6>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first, ahead); break;
+    case 5: tile<5>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first, ahead); break;
+    case 4: tile<4>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first, ahead); break;
 #endif
 #if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
-    case 3: tile<3>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first); break;
+    case 3: tile<3>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first, ahead); break;
 #endif
-    case 2: tile<2>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first); break;
-    case 1: tile<1>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first); break;
+    case 2: tile<2>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first, ahead); break;
+    case 1: tile<1>(x + m * ldx, ldx, panel, kc, y + m * ldy, ldy, cols, first, ahead); break;
     default: break;
   }
 }
@@ -255,12 +267,35 @@ void tile_wide(const float* x, int64_t k_len, const W* panel, float* y, int64_t 
     for (int p = 0; p < NP; ++p)
       for (int h = 0; h < 2; ++h) _mm512_storeu_ps(y + i * ldy + p * kPanel + 16 * h, acc[i][p][h]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// One row against NP panels at once (AVX2): a one-panel tile of one row has 4 accumulators, a dependency chain
+// per FMA pipe that the FMA latency stalls (a decode step's projections ran at about half the core's rate);
+// 3 panels give 12, within AVX2's 16 registers beside the broadcast row value.
+template <int NP, typename W>
+void tile_wide(const float* x, int64_t k_len, const W* panel, float* y) {
+  const int64_t stride = k_len * kPanel;
+  __m256 acc[NP][4];
+  for (int p = 0; p < NP; ++p)
+    for (int v = 0; v < 4; ++v) acc[p][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < k_len; ++k) {
+    const __m256 a = _mm256_set1_ps(x[k]);
+    for (int p = 0; p < NP; ++p) {
+      const W* row = panel + p * stride + k * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(row + 16 * kPanel), _MM_HINT_T0);
+      for (int v = 0; v < 4; ++v) acc[p][v] = _mm256_fmadd_ps(a, load8(row + 8 * v), acc[p][v]);
+    }
+  }
+  for (int p = 0; p < NP; ++p)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + p * kPanel + 8 * v, acc[p][v]);
+}
 #endif
 
 // How many panels a tile of `rows` rows takes at once.
 int64_t panels_at_once(int64_t rows) {
 #if defined(__AVX512F__)
   return rows == 1 ? 8 : rows == 2 ? 4 : rows <= 4 ? 2 : 1;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return rows == 1 ? 3 : 1;
 #else
   (void)rows;
   return 1;
@@ -295,11 +330,17 @@ void run_panels(const Job& job, size_t task) {
       p += wide;
       continue;
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (wide > 1 && p + wide <= last_panel && (p + wide) * kPanel <= w.n) {
+      tile_wide<3>(job.x, w.k, panel, job.y + p * kPanel);
+      p += wide;
+      continue;
+    }
 #endif
     const int64_t cols = std::min(kPanel, w.n - p * kPanel);
     for (int64_t k0 = 0; k0 < w.k; k0 += kc)
       rows_by_block(job.x + k0, job.rows, w.k, panel + k0 * kPanel, std::min(kc, w.k - k0), job.y + p * kPanel, w.n,
-                    cols, k0 == 0);
+                    cols, k0 == 0, kc < w.k ? kc * kPanel : 0);
     ++p;
   }
 }

@@ -19,6 +19,13 @@
 // key p of row b is then rows[layer, n] where index[n] says so, else the pool's row. Rows [1, N, W] are this
 // layer's alone (a past that is one layer's slice of the pool, as Gemma 4's assistant reads).
 
+// Floating-point exceptions are never read here, so GCC may evaluate both sides of a select: without this,
+// the softmax's loops (exp_nonpositive's clamps and selects) stay scalar on AVX2, which has no masked
+// instructions to guard them with (AVX-512 does), and an 8-token verify ran at ~2x AVX-512's time. The
+// results are the same bits: only where the compiler may compute, not what, changes. Before every include,
+// so that the inline functions of the headers share the setting and still inline into the loops.
+#pragma GCC optimize("no-trapping-math")
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -213,6 +220,14 @@ float prepare_scores(const Attributes& a, float* s, const int64_t* key_at, int64
 }
 
 constexpr int64_t kTile = 32;                   // keys per tile
+// The widest register blocks the vector registers hold: 16 queries x 8 keys and 64 value columns for two
+// queries are 16 accumulators of 8 floats plus the operands, which AVX-512's 32 registers keep but AVX2's 16
+// do not (spilled, they ran the 8-token verify at 1.7x AVX-512's time): there, 8 queries and 32 columns.
+#if defined(__AVX512F__)
+constexpr int64_t kQueriesAtOnce = 16, kColumnsAtOnce = 64;
+#else
+constexpr int64_t kQueriesAtOnce = 8, kColumnsAtOnce = 32;
+#endif
 constexpr int64_t kAhead = 8;                   // keys prefetched ahead, one at a time (attend_rows)
 
 // Asks for `bytes` from `from` on, into every cache level (a row a few keys ahead) or into L2 and below (a
@@ -284,7 +299,7 @@ void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& 
       for (int64_t t = 0; t < count; ++t) head_keys[t] = key_rows[t] + h * dim;
       for (int64_t t = count; t < count + 7; ++t) head_keys[t] = head_keys[0];   // padding for the last block
       for (int64_t i0 = 0; i0 < per_head;) {
-        const int64_t width = i0 + 16 <= padded ? 16 : 8;        // queries scored at once
+        const int64_t width = kQueriesAtOnce == 16 && i0 + 16 <= padded ? 16 : 8;   // queries scored at once
         for (int64_t t = 0; t < count; t += 8)
           (width == 16 ? scores16x8 : scores8x8)(&qt[h * dim * padded + i0], padded, head_keys + t, dim,
                                                  &s[t * padded + i0], padded);
@@ -332,7 +347,7 @@ void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& 
 #pragma omp simd
           for (int64_t c = 0; c < v_dim; ++c) out[c] *= rescale[i];
         }
-      // the values, two queries at a time (each value load serves both), 64, 32, then 8 columns at a time;
+      // the values, two queries at a time (each value load serves both), 64 (AVX-512), 32, then 8 columns at a time;
       // an odd last query pairs with its padding neighbour, whose sums go to scratch
       for (int64_t i = 0; i < per_head; i += 2) {
         const float *p0 = &s[i], *p1 = &s[i + 1];
@@ -340,7 +355,7 @@ void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& 
         float* out1 = i + 1 < per_head ? out0 + v_dim : scratch.data();
         const int64_t column = h * v_dim;
         int64_t c = 0;
-        for (; c + 64 <= v_dim; c += 64)
+        for (; kColumnsAtOnce == 64 && c + 64 <= v_dim; c += 64)
           weighted_pair<8>(p0, p1, padded, value_rows, count, column + c, out0 + c, out1 + c);
         for (; c + 32 <= v_dim; c += 32)
           weighted_pair<4>(p0, p1, padded, value_rows, count, column + c, out0 + c, out1 + c);
