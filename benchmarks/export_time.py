@@ -31,15 +31,15 @@ def write_llama(out: Path, num_layers: int) -> Path:
 
 def timed_export(target: Path, out: Path, method: str) -> dict[str, float]:
     """Seconds per export stage, read off the progress hook."""
-    from export import artifact
+    from export import artifact, progress
 
     marks: list[tuple[str, float]] = []
-    start = artifact._Stages.start
-    artifact._Stages.start = lambda self, stage: (marks.append((stage, time.perf_counter())), start(self, stage))[1]
+    start = progress.Stages.start
+    progress.Stages.start = lambda self, stage: (marks.append((stage, time.perf_counter())), start(self, stage))[1]
     try:
         artifact.export_model(target, method=method, num_speculative_tokens=1, out_dir=out, progress=False)
     finally:
-        artifact._Stages.start = start
+        progress.Stages.start = start
     end = time.perf_counter()
     times = [t for _, t in marks[1:]] + [end]
     return {stage: after - before for (stage, before), after in zip(marks, times)}

@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -41,6 +40,8 @@ from export.onnx_files import (
     write_ort_graph,
 )
 from export.out_dir import plan_out_dir, staging
+from export.progress import Stages
+from export.quantize import DEFAULT_BLOCK_SIZE, QuantizeSettings, quantize_graph, quantize_settings
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ConfigError, ExportError
 from runtime.manifest import Manifest, PoolSpec, TensorSpec, TokenizerInfo
@@ -54,11 +55,6 @@ WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "tokenizer.model", "chat_template.jinja")
 THINK_TOKENS = ("<think>", "</think>")
-STAGES = ("read checkpoints", "build step", "trace + export", "write weights", "check graph", "target-only graph",
-          "write manifest")
-# what each stage's line says once it is done (progress "lines": logs, pipes, `unispec -v export`)
-STAGES_DONE = ("read checkpoints", "built step", "traced step graph", "wrote weights", "checked graph, ORT graph",
-               "target-only graphs", "wrote manifest")
 EXPORTER_PACKAGES = ("unispec", "torch", "onnx", "onnxscript", "onnxruntime")
 
 
@@ -75,6 +71,7 @@ class ExportSettings:
     max_batch_size: int = 16
     max_tokens_per_step: int = 512
     target_only: bool = True             # speculative methods: also write the target-only graph
+    quantize: QuantizeSettings | None = None   # weight-only int4 / int8 of the linears (export/quantize.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in (*WEIGHT_DTYPES, "auto"):
@@ -111,6 +108,7 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
                  num_speculative_tokens: int | None = None, out_dir: str | Path, dtype: str = "float32",
                  structured_output: bool = False, block_size: int = 16, max_model_len: int = 2048,
                  max_batch_size: int = 16, max_tokens_per_step: int = 512, target_only: bool = True,
+                 quantize: str = "none", quant_block: int = DEFAULT_BLOCK_SIZE, quantize_lm_head: bool = False,
                  progress: bool | Literal["bar", "lines"] | None = None, force: bool = False) -> Path:
     """Export a target (+ draft) checkpoint as the artifact directory `out_dir`; returns its path.
     `dtype` "auto" exports in the dtype the target's config.json names (export/config.py checkpoint_dtype).
@@ -126,7 +124,8 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
     settings = ExportSettings(method=method, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
                               structured_output=structured_output, block_size=block_size,
                               max_model_len=max_model_len, max_batch_size=max_batch_size,
-                              max_tokens_per_step=max_tokens_per_step, target_only=target_only)
+                              max_tokens_per_step=max_tokens_per_step, target_only=target_only,
+                              quantize=quantize_settings(quantize, quant_block, quantize_lm_head))
     # flags are checked first, then the checkpoints found (a hub id through the Hugging Face cache, export/hub.py)
     target_dir = resolve_checkpoint(target_dir)
     draft_dir = resolve_checkpoint(draft_dir) if draft_dir is not None else None
@@ -134,7 +133,7 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
     settings = dataclasses.replace(settings, dtype=resolve_dtype(settings.dtype, target_dir))
     out = Path(os.path.abspath(out_dir))      # "." and ".." have no sibling to stage in
     plan = plan_out_dir(out, force)
-    with quiet_exporter(), _Stages(progress) as stages:
+    with quiet_exporter(), Stages(progress) as stages:
         stages.start("read checkpoints")
         sources = _read_sources(target_dir, draft_dir)
         stages.start("build step")
@@ -203,7 +202,10 @@ def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_s
         feeds[name] = feeds[name].to(getattr(torch, settings.dtype))
     trace_dir.mkdir()
     path = export_step(step, trace_dir / "step.onnx", feeds)
-    return onnx.load(str(path))
+    model = onnx.load(str(path))
+    if settings.quantize is not None:     # the step and the target-only graph alike: equal bytes, stored once
+        quantize_graph(model, settings.quantize)
+    return model
 
 
 def _target_only(step: UnifiedStep, tmp: Path, settings: ExportSettings, vocab_size: int) -> io.TargetOnlyGraph | None:
@@ -262,7 +264,8 @@ def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSetting
         weights_file=io.WEIGHTS_NAME if (out / io.WEIGHTS_NAME).is_file() else None,
         ort_model_file=io.ORT_MODEL_NAME if (out / io.ORT_MODEL_NAME).is_file() else None,
         tokenizer=tokenizer, exporter=exporter_versions(), target_checkpoint=sources["target_checkpoint"],
-        draft_checkpoint=sources["draft_checkpoint"], target_only=target_only)
+        draft_checkpoint=sources["draft_checkpoint"], target_only=target_only,
+        quantization=settings.quantize.manifest_entry() if settings.quantize is not None else None)
 
 
 def exporter_versions() -> dict[str, str]:
@@ -308,52 +311,6 @@ def _json_object(path: Path) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise ConfigError(f"{path}: must hold a JSON object; fix or remove it")
     return d
-
-
-# --- progress ----------------------------------------------------------------------------------------------------
-
-class _Stages:
-    """Export progress on stderr over STAGES: a rich bar, one line per finished stage, or nothing."""
-
-    def __init__(self, progress: bool | Literal["bar", "lines"] | None) -> None:
-        if progress is None or progress is True:
-            progress = "bar" if sys.stderr.isatty() else "lines"
-        self.mode, self.bar, self.current = progress or None, None, None
-        self.started = self.stage_started = time.perf_counter()
-
-    def __enter__(self) -> _Stages:
-        if self.mode == "bar":
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=Console(stderr=True))
-            self.bar.start()
-            self.task = self.bar.add_task("export", total=len(STAGES))
-        return self
-
-    def start(self, stage: str) -> None:
-        self._finish_line()
-        self.current, self.stage_started = stage, time.perf_counter()
-        if self.bar is not None:
-            self.bar.update(self.task, description=stage, completed=STAGES.index(stage))
-
-    def _finish_line(self) -> None:
-        if self.current is not None:
-            self._line(STAGES_DONE[STAGES.index(self.current)], self.stage_started)
-
-    def _line(self, what: str, since: float) -> None:
-        if self.mode == "lines":
-            print(f"[export] {what:<24}  {time.perf_counter() - since:6.1f} s", file=sys.stderr, flush=True)
-
-    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        if kind is None:
-            self._finish_line()
-            self._line("done", self.started)
-        if self.bar is not None:
-            if kind is None:
-                self.bar.update(self.task, description="done", completed=len(STAGES))
-            self.bar.stop()
 
 
 # --- reading an artifact back -------------------------------------------------------------------------------------

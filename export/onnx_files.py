@@ -183,7 +183,7 @@ def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
     import onnxscript.optimizer
 
     import plugins
-    from export import ort_fusions, ort_linear, ort_lowering, ort_sampling
+    from export import ort_fusions, ort_linear, ort_lowering, ort_quant, ort_sampling
 
     model = ir.load(out / source)
     ort_sampling.lower(model)
@@ -192,5 +192,6 @@ def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
     ort_fusions.fuse(model)
     with quiet_exporter():
         onnxscript.optimizer.optimize_ir(model)
+    ort_quant.lower(model)      # DQ + MatMul that ONNX Runtime would not fuse into MatMulNBits itself
     ort_linear.lower(model)
     ir.save(model, out / name)

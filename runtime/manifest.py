@@ -166,6 +166,7 @@ class Manifest:
     engine: dict[str, Any] | None = None     # written by `unispec build` (issue 8)
     # the target-only graph a speculative artifact also carries; None for `none` and older artifacts
     target_only: TargetOnlyGraph | None = None
+    quantization: dict[str, Any] | None = None   # int4/int8 linears (export/quantize.py manifest_entry); None: float
 
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:

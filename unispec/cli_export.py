@@ -44,6 +44,12 @@ __all__ = ["build", "export"]
               help="Most new tokens per step over all rows (the prefill chunk budget).")
 @click.option("--target-only/--no-target-only", default=True, show_default=True,
               help="Speculative methods: also write the target-only graph (adaptive speculation).")
+@click.option("--quantize", type=click.Choice(("none", "int4", "int8")), default="none", show_default=True,
+              help="Weight-only quantization of the linear layers (symmetric, block-wise along K, round to "
+                   "nearest); embeddings stay float.")
+@click.option("--quant-block", type=click.Choice(("32", "64", "128")), default="32", show_default=True,
+              callback=lambda _ctx, _param, value: int(value), help="Weights per quantization block along K.")
+@click.option("--quantize-lm-head", is_flag=True, help="Quantize the output head too (costs top-1 agreement).")
 def export(**options: Any) -> None:
     """Export a target (+ draft) checkpoint to an ONNX artifact directory."""
     from export.artifact import export_model

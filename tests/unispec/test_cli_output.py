@@ -69,7 +69,7 @@ def test_quiet_exporter_holds_back_the_exporters_lines_until_it_ends(caplog: pyt
 
 
 def test_export_stages_are_lines_with_seconds_when_stderr_is_not_a_terminal(capsys) -> None:
-    from export.artifact import _Stages
+    from export.progress import Stages as _Stages
 
     with _Stages(None) as stages:                    # pytest's stderr is no terminal
         stages.start("read checkpoints")

@@ -1,0 +1,125 @@
+"""model.ort.onnx's quantized linear layers: the portable `DequantizeLinear(q [K, N], scale [K/B, N], axis=0,
+block_size=B) -> MatMul` of export/quantize.py, on ONNX Runtime's MLAS block-quantized kernel, com.microsoft
+`MatMulNBits` (Y = A @ dequant(B)^T, B [N, K/B, B·bits/8] uint8 with codes low-first along K, scales [N·K/B],
+default zero point 2^(bits-1)).
+
+Both ways there run that kernel:
+
+- **ORT fuses it** (most layers): ONNX Runtime rewrites DQ(axis 0, int4 or int8, constant) + MatMul into
+  MatMulNBits itself when it loads the graph (checked for 1.32 by tests/export/test_quantize.py), at the
+  `session.qdq_matmulnbits_accuracy_level` of the session's config (default 4: activations quantized to int8
+  per block, VNNI dot products). The graph keeps referencing the artifact's int4/int8 bytes; nothing is
+  stored twice. onnxscript's optimizer (write_ort_graph) never folds a DequantizeLinear, and
+  export/ort_linear.py takes only float initializer weights, so both leave the pair be.
+- **`lower`** writes MatMulNBits into the graph, `accuracy_level` (default 4, as ORT's fusion) an attribute,
+  for the weights ORT 1.32 does not fuse: one read by several MatMuls (a drafter unrolled over K draft steps;
+  the optimizer's CSE gives its uses one DQ, and ORT fuses only a DQ whose codes nothing else reads) and a
+  MatMul whose only consumer is a Relu or Clip (ORT's QDQ selector then looks for a Q after it). The codes
+  are repacked (uint q + 2^(bits-1), [N, K] row-major), so these are new bytes, held in the ORT graph
+  itself, once per weight however many MatMuls read it. `every=True` lowers all (benchmarks).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from export.ort_lowering import replace_node
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
+DOMAIN = "com.microsoft"
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)      # 0 unset (float32), 1 fp32, 2 fp16, 3 bf16, 4 int8 activations
+# benchmarks/quantized_linear.py (AVX-512 VNNI, 1 thread, medians over 7 shapes of time / fp32 MatMul's):
+# int4 at level 4 0.19x / 0.32x / 0.50x at 1 / 4 / 8 rows, at level 0 0.58x / 1.16x / 1.14x; int8 at level
+# 4 0.42x / 0.48x / 0.56x, at level 0 20x or worse (no float kernel: the weight is dequantized every call)
+DEFAULT_ACCURACY_LEVEL = 4
+SESSION_ACCURACY_KEY = "session.qdq_matmulnbits_accuracy_level"   # ORT's fusion takes its level from here
+
+
+def pack(codes: np.ndarray, scales: np.ndarray, *, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Signed codes [K, N] and scales [K/B, N] (export/quantize.py's layout) -> MatMulNBits' B
+    [N, K/B, B·bits/8] uint8 and scales [N·K/B]. A symmetric code q is the unsigned code q + 2^(bits-1) at
+    the op's default zero point, so no zero point is passed."""
+    k, n = codes.shape
+    unsigned = (codes.T.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)      # [N, K]
+    if bits == 4:
+        pairs = unsigned.reshape(n, k // 2, 2)
+        unsigned = pairs[..., 0] | (pairs[..., 1] << 4)             # element 2i in the low nibble
+    return unsigned.reshape(n, k // block_size, block_size * bits // 8), np.ascontiguousarray(scales.T).reshape(-1)
+
+
+def lower(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL, *, every: bool = False) -> int:
+    """Replace main-graph MatMuls of a float32 activation and a constant blocked DQ (axis 0, int4 or int8, no
+    zero point) by MatMulNBits, in place: those ONNX Runtime would not fuse itself, or `every` one. Returns
+    how many. The DQs and codes nothing reads any more go."""
+    import onnx_ir as ir
+
+    assert accuracy_level in ACCURACY_LEVELS, accuracy_level
+    packed: dict[str, tuple[ir.Value, ir.Value, dict]] = {}
+    read: set[str] = set()
+    chosen = [(node, *found) for node in model.graph if (found := _dequantized_weight(node)) is not None
+              and (every or _not_fused_by_ort(node, found[0]))]          # decided before anything changes
+    for node, dq, attrs in chosen:
+        read.update(value.name for value in dq.inputs[:2])
+        if dq.inputs[0].name not in packed:
+            packed[dq.inputs[0].name] = _packed_initializers(model.graph, dq, attrs)
+        weight, scales, attrs = packed[dq.inputs[0].name]
+        nbits = ir.node("MatMulNBits", inputs=[node.inputs[0], weight, scales], domain=DOMAIN, version=1,
+                        attributes={**attrs, "accuracy_level": accuracy_level}, name=node.name, num_outputs=1)
+        replace_node(model.graph, node, nbits)
+        if not dq.outputs[0].uses():
+            model.graph.remove(dq, safe=True)
+    for name in read:                                  # the DQs' codes and scales that nothing reads now
+        value = model.graph.initializers.get(name)
+        if value is not None and not value.uses() and not value.is_graph_output():
+            model.graph.initializers.pop(name)
+    if packed:
+        model.opset_imports[DOMAIN] = 1
+    return sum(1 for node in model.graph if node.op_type == "MatMulNBits" and node.domain == DOMAIN)
+
+
+def _not_fused_by_ort(node: ir.Node, dq: ir.Node) -> bool:
+    """Whether ONNX Runtime 1.32 leaves this DQ + MatMul unfused (see the module docstring)."""
+    users = [use.node for use in node.outputs[0].uses()]
+    return (len(dq.outputs[0].uses()) > 1 or len(dq.inputs[0].uses()) > 1
+            or (len(users) == 1 and users[0].op_type in ("Relu", "Clip")))
+
+
+def _dequantized_weight(node: ir.Node) -> tuple[ir.Node, dict[str, int]] | None:
+    """(the DQ, MatMulNBits' K / N / bits / block_size) when `node` is a MatMul this lowering takes."""
+    import onnx_ir as ir
+
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
+        return None
+    if node.inputs[0].dtype != ir.DataType.FLOAT:
+        return None
+    dq = node.inputs[1].producer() if node.inputs[1] is not None else None
+    if dq is None or dq.op_type != "DequantizeLinear" or len([v for v in dq.inputs if v is not None]) != 2:
+        return None
+    codes, scales = dq.inputs[0], dq.inputs[1]
+    if ir.convenience.get_const_tensor(codes) is None or ir.convenience.get_const_tensor(scales) is None:
+        return None
+    bits = {ir.DataType.INT4: 4, ir.DataType.INT8: 8}.get(codes.dtype)
+    block = dq.attributes.get_int("block_size", 0)
+    if (bits is None or scales.dtype != ir.DataType.FLOAT or codes.shape is None or len(codes.shape) != 2
+            or dq.attributes.get_int("axis", 1) not in (0, -2) or block < 16 or block & (block - 1)):
+        return None
+    k, n = codes.shape
+    return dq, {"K": int(k), "N": int(n), "bits": bits, "block_size": block}
+
+
+def _packed_initializers(graph: ir.Graph, dq: ir.Node, attrs: dict) -> tuple[ir.Value, ir.Value, dict]:
+    import onnx_ir as ir
+
+    codes = ir.convenience.get_const_tensor(dq.inputs[0]).numpy().astype(np.int8)
+    scales = ir.convenience.get_const_tensor(dq.inputs[1]).numpy()
+    weight, flat = pack(codes, scales, bits=attrs["bits"], block_size=attrs["block_size"])
+    values = []
+    for suffix, array in (("_nbits", weight), ("_nbits_scales", flat)):
+        value = ir.Value(name=f"{dq.inputs[0].name}{suffix}", const_value=ir.tensor(array))
+        graph.register_initializer(value)
+        values.append(value)
+    return values[0], values[1], attrs
