@@ -5,7 +5,7 @@ This is the reference loop's (and the tests') pool owner; the production one is 
 as DESIGN.md §3 prescribes. Blocks are handed out from a shuffled free list so tests exercise
 non-contiguous block tables.
 
-Commit rule (DESIGN.md §3, implemented once in runtime.manifest): for row b with `n` new committed positions,
+Commit rule (DESIGN.md §3, implemented once in runtime.pool_layout): for row b with `n` new committed positions,
 the first `n` rows of that row's segment of each delta are written at positions cache_lengths[b] ... + n - 1.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from runtime import manifest as io
+from runtime.pool_layout import segment_slots, write_committed
 
 
 class PagedPools:
@@ -66,10 +66,10 @@ class PagedPools:
         """
         for row, n in zip(rows, counts):
             self.reserve(row, self.lengths[row] + n)
-        slots, delta_rows = (torch.from_numpy(a) for a in io.segment_slots(
+        slots, delta_rows = (torch.from_numpy(a) for a in segment_slots(
             segment_starts, counts, self.cache_lengths(rows).numpy(), self.block_table(rows).numpy(),
             block_size=self.block_size))
         for name, delta in deltas.items():
-            io.write_committed(self.pools[name], delta.to(self.pools[name].dtype), slots, delta_rows, self.block_size)
+            write_committed(self.pools[name], delta.to(self.pools[name].dtype), slots, delta_rows, self.block_size)
         for row, n in zip(rows, counts):
             self.lengths[row] += int(n)

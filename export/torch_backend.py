@@ -21,6 +21,7 @@ import torch
 
 from runtime import manifest as io
 from runtime.errors import ArtifactError, UnispecError
+from runtime.pool_layout import PoolLayout, write_committed
 
 if TYPE_CHECKING:
     from export.step.base import UnifiedStep
@@ -61,8 +62,10 @@ class TorchBackend:
         self.step.structured_output = manifest.structured_output
         _check_matches(self.step, manifest, f"--target {target_dir}" + (f" --draft {draft_dir}" if draft_dir else ""))
         by_name = {t.name: t for t in manifest.inputs}
-        self._pools = {p.name: torch.zeros(num_blocks, p.num_layers, manifest.block_size, p.width,
-                                           dtype=getattr(torch, by_name[p.name].dtype)) for p in manifest.pools}
+        layouts = [PoolLayout(num_blocks=num_blocks, layers=p.num_layers, block_size=manifest.block_size,
+                              width=p.width, dtype=by_name[p.name].dtype) for p in manifest.pools]
+        self._pools = {p.name: torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype))
+                       for p, layout in zip(manifest.pools, layouts)}
         self.pools = {name: to_numpy(pool) for name, pool in self._pools.items()}   # same memory
         self._step_specs = tuple(t for t in manifest.inputs if t.name not in self._pools)
 
@@ -81,5 +84,5 @@ class TorchBackend:
         """For every pool: pool[slots // block_size, :, slots % block_size] = its delta[rows]."""
         slots, rows = np.asarray(slots, dtype=np.int64), np.asarray(rows, dtype=np.int64)   # [N], [N]
         for pool in self.manifest.pools:
-            io.write_committed(self.pools[pool.name], np.asarray(outputs[pool.delta]), slots, rows,
-                               self.manifest.block_size)
+            write_committed(self.pools[pool.name], np.asarray(outputs[pool.delta]), slots, rows,
+                            self.manifest.block_size)

@@ -1,6 +1,6 @@
 """The host loop: fills one step's inputs from the scheduled rows, runs it, commits KV, collects tokens.
 
-It drives an artifact's unified step as the torch reference loop (export/generate.py) does, with numpy,
+It drives an artifact's unified step as the torch reference loop (tests/reference_loop.py) does, with numpy,
 a BlockManager, a Scheduler (continuous batching, chunked prefill, preemption) and persistent input
 buffers (DESIGN.md §3, §7). Per step: the scheduler picks the rows and their token counts,
 runtime/step_feeds.py writes their inputs in place (what each kind of row feeds, noise, bitmasks), the

@@ -1,7 +1,7 @@
 """The artifact contract shared by export, engines and runtime: graph input/output names (DESIGN.md §3).
 
 Owned by the runtime (it is what the runtime reads); `export` and `engines` import this module and
-nothing else of `runtime` besides `runtime.errors`. Every name below is the exact ONNX value name.
+only the leaves errors, noise and pool_layout besides. Every name below is the exact ONNX value name.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from runtime.errors import ArtifactError
 
@@ -259,9 +257,8 @@ def dim_value(dim: int | str, env: Mapping[str, int], *, tensor: str | None = No
     return total
 
 
-# --- step geometry and the commit rule (DESIGN.md §3) -----------------------------------------------------
-# One home for both: the scheduler, the persistent buffers, the engine profiles, the reference loop and
-# every backend read them from here.
+# --- step geometry (DESIGN.md §3; the commit rule is runtime/pool_layout.py's) ---------------------------
+# One home: the scheduler, the persistent buffers, the engine profiles and every backend read it from here.
 
 def step_reach(num_speculative_tokens: int) -> int:
     """Positions a step may write past a row's cache and new tokens: the K merged drafts, and the K - 1
@@ -273,59 +270,6 @@ def step_reach(num_speculative_tokens: int) -> int:
 def blocks_per_row(context_len: int, *, num_speculative_tokens: int, block_size: int) -> int:
     """Blocks a row of `context_len` committed + new tokens needs for one step (its reach included)."""
     return -(-(context_len + step_reach(num_speculative_tokens)) // block_size)
-
-
-def committed_slots(
-    row_offsets: np.ndarray,     # [B+1] int64, the step's new tokens per row
-    num_accepted: np.ndarray,    # [B] int64
-    cache_lengths: np.ndarray,   # [B] int64
-    block_table: np.ndarray,     # [B, max_blocks] int64
-    *,
-    num_speculative_tokens: int,
-    block_size: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The commit rule as (pool slot, delta row) pairs, [N] each, vectorised over rows.
-
-    Row b commits n_b = new_tokens_b + num_accepted_b positions: the first n_b rows of its segment of every
-    delta (segments are new_tokens_b + K long) go to positions cache_lengths[b] ... cache_lengths[b] + n_b - 1,
-    i.e. slot = block_table[b, p // block_size] * block_size + p % block_size.
-    """
-    seg_starts, counts = delta_segments(row_offsets, num_accepted, num_speculative_tokens)
-    return segment_slots(seg_starts, counts, cache_lengths, block_table, block_size=block_size)
-
-
-def delta_segments(row_offsets: np.ndarray, num_accepted: np.ndarray,
-                   num_speculative_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """(first delta row of each row's segment, rows it commits), [B] each: segments are new_tokens_b + K long,
-    and row b commits its new tokens plus its accepted drafts."""
-    row_offsets, num_accepted = np.asarray(row_offsets, np.int64), np.asarray(num_accepted, np.int64)
-    seg_starts = row_offsets[:-1] + np.arange(len(row_offsets) - 1) * num_speculative_tokens
-    return seg_starts, np.diff(row_offsets) + num_accepted
-
-
-def segment_slots(
-    seg_starts: np.ndarray,      # [B] first delta row of each row's segment
-    counts: np.ndarray,          # [B] delta rows each row commits
-    cache_lengths: np.ndarray,   # [B] where each row's committed positions start
-    block_table: np.ndarray,     # [B, max_blocks]
-    *,
-    block_size: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(slot, delta row) pairs, [N] each: delta rows seg_starts[b] ... + counts[b] - 1 of row b go to
-    positions cache_lengths[b] ... + counts[b] - 1."""
-    seg_starts, counts = np.asarray(seg_starts, np.int64), np.asarray(counts, np.int64)
-    row_of = np.repeat(np.arange(len(counts)), counts)                                # [N]
-    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)   # [N]
-    positions = np.asarray(cache_lengths)[row_of] + within                            # [N]
-    slots = np.asarray(block_table)[row_of, positions // block_size] * block_size + positions % block_size
-    return slots, seg_starts[row_of] + within
-
-
-def write_committed(pool: Any, delta: Any, slots: Any, rows: Any, block_size: int) -> None:
-    """pool[slot // block_size, :, slot % block_size] = delta[row] for every pair (numpy arrays or torch
-    tensors alike; `delta` already in the pool's dtype). pool [num_blocks, L, bs, W], delta [N', L, W]."""
-    # advanced indices around a slice: the indexed view is [N, L, W], as delta[rows] is
-    pool[slots // block_size, :, slots % block_size] = delta[rows]
 
 
 # --- field checks ----------------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ Lean by construction (issue 18): each input is written with one numpy call from 
 rows, into the same view objects for the same step geometry (looked up once per step), so a backend that
 remembers what it bound rebinds nothing when a step repeats the last one's shape; the sampling
 parameters are written only when the rows changed; a decode step's commit pairs come from a fixed
-[B, K+1] grid instead of the ragged general case. (Each numpy call counts: the graph's run leaves the
-host's caches cold, and measured at batch 16 the first calls after it take 10x their warm time.)
+[B, K+1] grid instead of the ragged general case (runtime/pool_layout.py). (Each numpy call counts: the
+graph's run leaves the host's caches cold, and measured at batch 16 the first calls after it take 10x their
+warm time.)
 """
 
 from __future__ import annotations
@@ -32,14 +33,12 @@ from runtime import manifest as io
 from runtime.backend import PersistentInputBuffers, step_bounds
 from runtime.blocks import BlockManager
 from runtime.noise import batch_noise
+from runtime.pool_layout import committed_slots
 from runtime.scheduler import Plan
 
-__all__ = ["StepFeeds", "decode_commit_pairs"]
+__all__ = ["StepFeeds"]
 
 MAX_GEOMETRIES = 256       # step geometries whose views StepFeeds keeps (a decode batch repeats a few)
-# Up to this many rows a decode step's commit pairs are worked out in Python ints: numpy's ~10 calls cost more
-# right after the graph's run (measured in Engine.step, Llama 3 + Eagle3 at batch 1: 17.8 us per step, in ints ~7 us)
-FEW_ROWS = 4
 # input name -> the SamplingParams field it carries, one value per row
 _PARAM_COLUMNS = ((io.TEMPERATURE, "temperature"), (io.TOP_K, "top_k"), (io.TOP_P, "top_p"), (io.MIN_P, "min_p"))
 
@@ -134,46 +133,6 @@ class StepFeeds:
 
     def commit_pairs(self, feeds: dict[str, np.ndarray], num_accepted: np.ndarray,
                      k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The commit rule as (pool slot, delta row) pairs, [N] each (runtime/manifest.py committed_slots)."""
-        bs, cache, table = self.manifest.block_size, feeds[io.CACHE_LENGTHS], feeds[io.BLOCK_TABLE]
-        if feeds[io.TOKENS].shape[0] == cache.shape[0]:
-            return decode_commit_pairs(num_accepted, cache, table, num_speculative_tokens=k, block_size=bs)
-        return io.committed_slots(feeds[io.ROW_OFFSETS], num_accepted, cache, table, num_speculative_tokens=k,
-                                  block_size=bs)
-
-
-def decode_commit_pairs(
-    num_accepted: np.ndarray,    # [B] int64
-    cache_lengths: np.ndarray,   # [B] int64
-    block_table: np.ndarray,     # [B, max_blocks] int64
-    *,
-    num_speculative_tokens: int,
-    block_size: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """`committed_slots` of a step that fed one token per row, in fewer numpy calls: the segments are a
-    [B, K+1] grid (delta row b(K+1) + j is row b's position cache_lengths[b] + j), and row b commits the
-    grid's first 1 + num_accepted[b] columns."""
-    if len(cache_lengths) <= FEW_ROWS:
-        return _few_rows_commit_pairs(num_accepted, cache_lengths, block_table, num_speculative_tokens, block_size)
-    if num_speculative_tokens == 0:            # every row commits its one delta row (a target-only step)
-        rows = np.arange(len(cache_lengths))                                   # [B]
-        blocks, offsets = np.divmod(cache_lengths, block_size)                 # [B], [B]
-        return block_table[rows, blocks] * block_size + offsets, rows
-    width = num_speculative_tokens + 1
-    rows = np.flatnonzero(np.arange(width) <= num_accepted[:, None])          # [N] delta rows, row-major
-    row, column = np.divmod(rows, width)                                       # [N], [N]
-    blocks, offsets = np.divmod(cache_lengths[row] + column, block_size)       # [N], [N]
-    return block_table[row, blocks] * block_size + offsets, rows
-
-
-def _few_rows_commit_pairs(num_accepted: np.ndarray, cache_lengths: np.ndarray, block_table: np.ndarray, k: int,
-                           block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """decode_commit_pairs row by row: row b commits delta rows b(K+1) .. b(K+1) + num_accepted[b]."""
-    slots, rows = [], []
-    for b, (accepted, start) in enumerate(zip(num_accepted.tolist(), cache_lengths.tolist())):
-        table = block_table[b]
-        for j in range(accepted + 1):
-            block, offset = divmod(start + j, block_size)
-            slots.append(int(table[block]) * block_size + offset)
-            rows.append(b * (k + 1) + j)
-    return np.array(slots, dtype=np.int64), np.array(rows, dtype=np.int64)
+        """The commit rule as (pool slot, delta row) pairs, [N] each (runtime/pool_layout.py)."""
+        return committed_slots(feeds[io.ROW_OFFSETS], num_accepted, feeds[io.CACHE_LENGTHS], feeds[io.BLOCK_TABLE],
+                               num_speculative_tokens=k, block_size=self.manifest.block_size)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("unispec", "export", "engines", "runtime", "plugins")
-RUNTIME_LEAVES = {"runtime", "runtime.manifest", "runtime.errors", "runtime.noise"}
+RUNTIME_LEAVES = {"runtime", "runtime.manifest", "runtime.errors", "runtime.noise", "runtime.pool_layout"}
 MAX_LINES = 400
 
 

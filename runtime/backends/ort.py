@@ -31,6 +31,7 @@ from runtime import manifest as io
 from runtime.artifact_check import check_pool_memory
 from runtime.backend import PersistentInputBuffers, numpy_dtype, shape_of, step_bounds
 from runtime.errors import ArtifactError, BackendUnavailableError, InvalidRequestError, UnispecError
+from runtime.pool_layout import slot_runs
 
 __all__ = ["OrtBackend", "default_providers"]
 
@@ -114,38 +115,23 @@ class OrtBackend:
 
     def commit(self, outputs: Mapping[str, np.ndarray], slots: np.ndarray, rows: np.ndarray) -> None:
         if len(slots) <= FEW_PAIRS:
-            self._commit_runs(outputs, _runs(np.asarray(slots).tolist(), np.asarray(rows).tolist(),
-                                             self.manifest.block_size))
+            self._commit_runs(outputs, slot_runs(np.asarray(slots).tolist(), np.asarray(rows).tolist(),
+                                                 self.manifest.block_size))
             return
         rows = np.asarray(rows, dtype=np.int64)                                             # [N]
-        # io.write_committed with the slots' (block, offset) split once for every pool
+        # pool_layout.write_committed with the slots' (block, offset) split once for every pool
         blocks, offsets = np.divmod(np.asarray(slots, dtype=np.int64), self.manifest.block_size)   # [N], [N]
         for pool in self.manifest.pools:
             if pool.delta in outputs:                # a target-only step leaves the draft pool as it is
                 self.pools[pool.name][blocks, :, offsets] = outputs[pool.delta][rows]
 
     def _commit_runs(self, outputs: Mapping[str, np.ndarray], runs: list[tuple[int, int, int, int]]) -> None:
-        """commit's few pairs as runs of consecutive slots in one block fed by consecutive delta rows (a decode
-        row's accepted positions are one run, two across a block boundary): one slice copy per run and pool."""
+        """commit's few pairs as runs (pool_layout.slot_runs): one slice copy per run and pool."""
         for pool in self.manifest.pools:
             if pool.delta in outputs:
                 target, delta = self.pools[pool.name], outputs[pool.delta]              # [blocks, L, bs, W], [N, L, W]
                 for block, offset, row, n in runs:
                     target[block, :, offset:offset + n] = delta[row:row + n].swapaxes(0, 1)
-
-
-def _runs(slots: list[int], rows: list[int], block_size: int) -> list[tuple[int, int, int, int]]:
-    """(block, offset, first delta row, length) of each run of pairs whose slots and rows both step by one
-    within a block."""
-    runs: list[list[int]] = []
-    for slot, row in zip(slots, rows):
-        block, offset = divmod(slot, block_size)
-        last = runs[-1] if runs else None
-        if last is not None and last[0] == block and last[1] + last[3] == offset and last[2] + last[3] == row:
-            last[3] += 1
-        else:
-            runs.append([block, offset, row, 1])
-    return [tuple(run) for run in runs]
 
 
 class _Graph:

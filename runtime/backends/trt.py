@@ -35,6 +35,7 @@ import numpy as np
 from runtime import manifest as io
 from runtime.backend import numpy_dtype, shape_of
 from runtime.errors import ArtifactError, BackendUnavailableError, InvalidRequestError, UnispecError
+from runtime.pool_layout import write_committed
 
 __all__ = ["TrtBackend", "pad_decode_feeds"]
 
@@ -242,7 +243,7 @@ class TrtBackend:
             for pool in self.manifest.pools:
                 delta = self._last.device[pool.delta] if own else _to_device(outputs[pool.delta], self.device)
                 target = self.pools[pool.name]
-                io.write_committed(target, delta.to(target.dtype), slots_d, rows_d, self.manifest.block_size)
+                write_committed(target, delta.to(target.dtype), slots_d, rows_d, self.manifest.block_size)
 
     # --- one step -------------------------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from export.generate import Request, StepGeometry, generate
 from export.tiny import write_tiny
 from export.torch_backend import TorchBackend
 from runtime import manifest as io
@@ -19,6 +18,7 @@ from runtime.engine import Engine
 from runtime.errors import ArtifactError, ExportError
 from runtime.sampling_params import SamplingParams
 from tests.engines.manifests import make_manifest
+from tests.reference_loop import Request, StepGeometry, generate
 
 MANIFEST = make_manifest()             # the tiny llama3 + eagle3 artifact's manifest: K=3, pools (3, 64), (1, 64)
 PROMPTS = [(13, 0.0), (6, 0.8), (21, 0.8)]

@@ -57,7 +57,7 @@ class TinyArtifact:
     method: str
 
     def run_torch(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The torch step on feeds without `token_bitmask` (export/generate.py's): every token allowed."""
+        """The torch step on feeds without `token_bitmask` (tests/reference_loop.py's): every token allowed."""
         if getattr(self.step, "structured_output", False) and io.TOKEN_BITMASK not in feeds:
             batch, k = feeds[io.DRAFT_TOKENS].shape
             vocab = io.Manifest.load(self.path).vocab_size

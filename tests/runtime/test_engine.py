@@ -1,4 +1,4 @@
-"""The runtime's host loop on ONNX Runtime against the torch reference loop (export/generate.py).
+"""The runtime's host loop on ONNX Runtime against the torch reference loop (tests/reference_loop.py).
 
 For every method: same requests (mixed prompt lengths, one joining at step 5,
 chunked prefill), same per-request seeds -> identical tokens, greedy and seeded sampling, 64 new tokens
@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from export.generate import Request, StepGeometry, generate
 from runtime import manifest as io
 from runtime.backends.ort import OrtBackend
 from runtime.engine import Engine, RequestOutput
 from runtime.errors import InvalidRequestError
 from runtime.manifest import Manifest
 from runtime.sampling_params import SamplingParams
+from tests.reference_loop import Request, StepGeometry, generate
 from tests.runtime.artifacts import CASES, TinyArtifact
 
 NEW_TOKENS = 64
@@ -56,7 +56,7 @@ def _reference(art: TinyArtifact, manifest: Manifest, sampled: bool) -> list[lis
     geometry = StepGeometry(k=art.step.k, pools=art.step.pool_shapes(), noise_channels=manifest.noise_channels,
                             block_size=manifest.block_size, num_blocks=NUM_BLOCKS, max_batch=manifest.max_batch_size,
                             prefill_chunk=PREFILL_CHUNK)
-    # Both loops draw a request's noise only on steps that produce its tokens (export/generate.py).
+    # Both loops draw a request's noise only on steps that produce its tokens (tests/reference_loop.py).
     return [g.tokens for g in generate(art.run_torch, geometry, requests)]
 
 

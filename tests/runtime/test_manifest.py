@@ -118,20 +118,5 @@ def test_specs_validate_dtypes_and_manifests_are_frozen() -> None:
     assert replace(manifest, engine={"plan": "engine.plan"}).engine == {"plan": "engine.plan"}
 
 
-def test_commit_rule_maps_each_rows_committed_delta_rows_to_its_slots() -> None:
-    import numpy as np
-
-    from runtime import manifest as io
-
-    # row 0: 2 new tokens, 1 accepted of K = 2, cache 5; row 1: 1 new token, 2 accepted, cache 0
-    row_offsets, num_accepted = np.array([0, 2, 3]), np.array([1, 2])
-    table = np.array([[7, 3, 9], [4, 8, 1]])
-    slots, rows = io.committed_slots(row_offsets, num_accepted, np.array([5, 0]), table,
-                                     num_speculative_tokens=2, block_size=4)
-    # segments: row 0 = delta rows 0..3 (2 + K), row 1 = rows 4..6; row 0 writes positions 5, 6, 7
-    assert rows.tolist() == [0, 1, 2, 4, 5, 6]
-    assert slots.tolist() == [3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 4 * 4 + 0, 4 * 4 + 1, 4 * 4 + 2]
-    pool = np.zeros((10, 1, 4, 1))
-    io.write_committed(pool, np.arange(7.0)[:, None, None], slots, rows, 4)
-    assert pool[3, 0, 1:, 0].tolist() == [0.0, 1.0, 2.0] and pool[4, 0, :3, 0].tolist() == [4.0, 5.0, 6.0]
+def test_blocks_per_row_cover_the_steps_reach() -> None:
     assert io.blocks_per_row(13, num_speculative_tokens=2, block_size=4) == -(-(13 + io.step_reach(2)) // 4) == 5

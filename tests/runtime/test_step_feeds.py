@@ -1,10 +1,9 @@
 """runtime/step_feeds.py: feeds built in place equal a plain per-row build over a sequence of steps whose
-rows join, leave and change order; a decode step's commit pairs equal the general commit rule's."""
+rows join, leave and change order. (Commit pairs: tests/runtime/test_pool_layout.py.)"""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from runtime import manifest as io
 from runtime.blocks import BlockManager
@@ -12,7 +11,7 @@ from runtime.manifest import Manifest, PoolSpec, TensorSpec
 from runtime.noise import RequestNoise
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import SequenceState
-from runtime.step_feeds import StepFeeds, decode_commit_pairs
+from runtime.step_feeds import StepFeeds
 
 K, BS, VOCAB, CHANNELS = 2, 4, 40, 3
 
@@ -99,16 +98,3 @@ def test_feeds_equal_a_row_by_row_build_as_rows_join_leave_and_reorder() -> None
             block = twins[s].next(K + 1, CHANNELS)[:k + 1] if s.generates(n) else 0.0
             assert np.array_equal(got[io.NOISE][i], np.broadcast_to(block, (k + 1, CHANNELS))), f"step {step}"
         advance(plan, rng)
-
-
-@pytest.mark.parametrize("k", [0, 1, 3])
-def test_decode_commit_pairs_equal_the_general_commit_rule(k: int) -> None:
-    rng = np.random.default_rng(k)
-    for batch in (1, 2, 5, 16):             # row by row up to FEW_ROWS, in numpy above
-        cache = rng.integers(0, 30, batch)
-        table = rng.permutation(200)[:batch * 10].reshape(batch, 10)
-        accepted = rng.integers(0, k + 1, batch)
-        want = io.committed_slots(np.arange(batch + 1), accepted, cache, table, num_speculative_tokens=k,
-                                  block_size=BS)
-        got = decode_commit_pairs(accepted, cache, table, num_speculative_tokens=k, block_size=BS)
-        assert [g.tolist() for g in got] == [w.tolist() for w in want]

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from export.generate import Generation, Request, StepGeometry, generate  # noqa: F401 (re-exported for tests)
 from export.step.base import UnifiedStep
+from tests.reference_loop import Generation, Request, StepGeometry, generate  # noqa: F401 (re-exported for tests)
 
 NEW_TOKENS = 64
 

@@ -20,13 +20,13 @@ from torch.nn import functional as F
 from export.archs.dflash.config import DFlashConfig
 from export.archs.dflash.weights import adapt_dflash
 from export.archs.llama3.model import rope_inv_freq
-from export.generate import generate
 from export.methods import build_step
 from export.step.spec_glue import NOISE_CHANNELS
 from export.tiny import write_tiny
 from export.tiny.targets import VOCAB
 from runtime.errors import CheckpointError, ExportError
 from tests.export.step import harness
+from tests.reference_loop import generate
 
 
 def _variant(src: Path, dst: Path, **edits) -> Path:

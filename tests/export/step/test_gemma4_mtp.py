@@ -26,7 +26,6 @@ from export.archs.gemma4_assistant.config import Gemma4AssistantConfig
 from export.archs.gemma4_assistant.model import Gemma4Assistant, anchor_tokens
 from export.archs.gemma4_assistant.weights import adapt_gemma4_assistant
 from export.checkpoint import Checkpoint
-from export.generate import Request, generate
 from export.methods import build_step
 from export.paged import PagedPools
 from export.step.sequential import DraftBatch
@@ -34,6 +33,7 @@ from export.step.spec_glue import NOISE_CHANNELS
 from export.tiny import write_tiny
 from runtime.errors import CheckpointError, ConfigError, ExportError
 from tests.export.step import harness
+from tests.reference_loop import Request, generate
 
 VOCAB = 320
 ATOL = 1e-4

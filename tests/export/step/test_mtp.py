@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 from export.archs.common import gather_pool
 from export.archs.deepseek_v3.config import DeepseekV3Config
 from export.archs.nextn.weights import adapt_nextn, check_shared_head
-from export.generate import Request, generate
 from export.methods import build_step
 from export.step.sequential import DraftBatch, SequentialStep
 from export.step.spec_glue import NOISE_CHANNELS
@@ -27,6 +26,7 @@ from export.tiny.targets import NUM_LAYERS, VOCAB
 from runtime import manifest as io
 from runtime.errors import CheckpointError, ConfigError
 from tests.export.step import harness
+from tests.reference_loop import Request, generate
 
 MTP = f"model.layers.{NUM_LAYERS}"
 Feeds = dict[str, torch.Tensor]

@@ -1,8 +1,9 @@
-"""Reference generation loop in torch: owns paged pools, feeds a unified step, applies the commit rule.
+"""The tests' reference generation loop in torch: owns paged pools, feeds a unified step, commits by the rule.
 
-This is the executable definition of how a host drives a step graph (DESIGN.md §3), used by the tests
-(losslessness, injected drafts) and as the ORT parity oracle. The production host loop with scheduling,
-preemption and persistent buffers is the runtime's; this one favours clarity.
+An independent statement of how a host drives a step graph (DESIGN.md §3), kept in the tests for what the
+runtime's Engine cannot give: a bare UnifiedStep with no artifact or manifest, drafts injected from the
+history (losslessness, injected drafts), and the oracle the Engine's own host loop is checked against
+(tests/runtime/test_engine.py, tests/export/test_torch_backend.py). It favours clarity over speed.
 
 Per step, for every active row:
   prefill row:  tokens = the next prompt chunk, drafts = -1, chunk_next_tokens = the following prompt
@@ -24,6 +25,7 @@ import torch
 from export.paged import PagedPools
 from runtime import manifest as io
 from runtime.noise import RequestNoise
+from runtime.pool_layout import committed_slots, write_committed
 
 # feeds -> outputs, both keyed by the contract's names (a torch module, an ORT session, ...).
 RunStep = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
@@ -150,8 +152,7 @@ def _one_step(run_step: RunStep, geo: StepGeometry, pools: PagedPools, rows: lis
         feeds[io.DRAFT_PROBS] = torch.stack([torch.zeros_like(known[0]) if p is None else p for p in probs])
     out = run_step(feeds)
     num_accepted = out[io.NUM_ACCEPTED].tolist()
-    deltas = {name: out[io.DELTA_OF_POOL[name]] for name in geo.pools}
-    pools.commit(ids, deltas, *io.delta_segments(feeds[io.ROW_OFFSETS].numpy(), out[io.NUM_ACCEPTED].numpy(), k))
+    _commit(pools, ids, feeds, out, k)
     next_tokens, next_drafts = out[io.NEXT_TOKENS].tolist(), out[io.NEXT_DRAFT_TOKENS].tolist()
     next_probs = out.get(io.NEXT_DRAFT_PROBS)                                     # [B, K, V] or None
     for i, (r, (tokens, drafts, following), a, nxt, nd) in enumerate(
@@ -165,3 +166,16 @@ def _one_step(run_step: RunStep, geo: StepGeometry, pools: PagedPools, rows: lis
         r.generated.extend(drafts[:a] + [nxt])
         r.next_token, r.drafts = nxt, nd
         r.draft_probs = None if next_probs is None else torch.as_tensor(next_probs[i]).clone()
+
+
+def _commit(pools: PagedPools, ids: list[int], feeds: dict[str, torch.Tensor], out: Mapping[str, torch.Tensor],
+            k: int) -> None:
+    """The runtime's commit rule into the pools (blocks were reserved for the step's reach), then advance."""
+    num_accepted = np.asarray(out[io.NUM_ACCEPTED], dtype=np.int64)                        # [B]
+    slots, rows = (torch.from_numpy(a) for a in committed_slots(
+        feeds[io.ROW_OFFSETS].numpy(), num_accepted, feeds[io.CACHE_LENGTHS].numpy(), feeds[io.BLOCK_TABLE].numpy(),
+        num_speculative_tokens=k, block_size=pools.block_size))
+    for name, pool in pools.pools.items():
+        write_committed(pool, out[io.DELTA_OF_POOL[name]].to(pool.dtype), slots, rows, pools.block_size)
+    for row, n in zip(ids, np.diff(feeds[io.ROW_OFFSETS].numpy()) + num_accepted):
+        pools.lengths[row] += int(n)
