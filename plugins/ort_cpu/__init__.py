@@ -6,7 +6,7 @@
 
 Ops: PagedAttentionPool / PagedAttentionPoolRows (paged_attention.cc), SpecAccept and SampleDraft
 (spec_accept.cc), PackedLinear (matmul.cc); register.cc adds them all to the domain. The sources (*.cc,
-kernel.h, ort_abi.h) ship with the package; the library is built with the system's C++ compiler (`$CXX`,
+*.h) ship with the package; the library is built with the system's C++ compiler (`$CXX`,
 else c++/g++) once per ISA variant (avx512, avx2, portable: chosen at run time by the CPU's flags) into a
 cache folder keyed by the sources, the flags and the variant. A build stamp written last beside each library
 holds its size and sha256 and is checked before every hand-out: a truncated, foreign or half-written file is
@@ -36,7 +36,8 @@ __all__ = ["DOMAIN", "BuildError", "IsaError", "build", "cache_dir", "compiler",
            "packed_linear_bytes"]
 
 DOMAIN = "unispec.cpu"
-SOURCES = ("paged_attention.cc", "spec_accept.cc", "matmul.cc", "register.cc", "kernel.h", "ort_abi.h")
+SOURCES = ("paged_attention.cc", "paged_attention_attend.h", "paged_attention_blocks.h", "spec_accept.cc",
+           "spec_accept_truncation.h", "matmul.cc", "matmul_tiles.h", "register.cc", "kernel.h", "ort_abi.h")
 FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 # glibc's vector math library: the sampling kernels' float64 exp, four lanes at a time on AVX2 (spec_accept.cc)
 VECTOR_MATH = ("-DUNISPEC_MVEC", "-lmvec") if sys.platform == "linux" and platform.machine() == "x86_64" else ()

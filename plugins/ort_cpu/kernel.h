@@ -13,7 +13,20 @@ namespace unispec_cpu {
 
 using namespace ort_abi;
 
-inline const OrtApi* g_api = nullptr;       // set once by RegisterCustomOps
+inline const OrtApi* g_api = nullptr;       // set once by RegisterCustomOps (bind_api)
+
+// Binds g_api to the runtime's table when it has every slot of ort_abi.h; when the runtime is older, returns
+// the one-line error status to hand back instead, made through version 1's CreateStatus (slot 0 of every
+// ORT's table), so no slot the runtime lacks is ever called. g_api stays null when even version 1 is refused.
+inline OrtStatus* bind_api(const OrtApiBase* base) {
+  g_api = base->GetApi(kApiVersion);
+  const OrtApi* oldest = g_api != nullptr ? nullptr : base->GetApi(1);
+  if (oldest == nullptr) return nullptr;
+  const std::string message = "unispec.cpu needs ONNX Runtime's C API version " + std::to_string(kApiVersion) +
+                              " (onnxruntime >= 1." + std::to_string(kApiVersion) + "); this onnxruntime is " +
+                              base->GetVersionString() + ": upgrade onnxruntime";
+  return call<OrtStatus* (*)(int, const char*)>(oldest, CreateStatus)(kFail, message.c_str());
+}
 
 inline OrtStatus* fail(const std::string& message) {
   return call<OrtStatus* (*)(int, const char*)>(g_api, CreateStatus)(kInvalidArgument, message.c_str());

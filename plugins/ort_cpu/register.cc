@@ -7,8 +7,8 @@ using namespace unispec_cpu;
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                               const OrtApiBase* base) {
-  g_api = base->GetApi(kApiVersion);
-  if (g_api == nullptr) return nullptr;      // an ORT older than 1.17: nothing registered, the session says so
+  RETURN_IF_ERROR(bind_api(base));           // an ORT older than ort_abi.h's table: one error, nothing called
+  if (g_api == nullptr) return nullptr;      // not even API version 1: nothing to report an error with
   // The domain must outlive every session that uses it; ORT does not take it over, so it is never freed.
   OrtCustomOpDomain* domain = nullptr;
   RETURN_IF_ERROR(call<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(g_api, CreateCustomOpDomain)(

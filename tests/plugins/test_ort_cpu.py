@@ -4,9 +4,6 @@ builds once per source and CPU (plugins/ort_cpu)."""
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -191,22 +188,6 @@ def test_columns_outside_the_pool_row_are_an_error() -> None:
     feeds = case(5, [1], [3], q_heads=2, kv_heads=1, head_dim=4, v_dim=4, k_column=0, v_column=8, width=16)
     with pytest.raises(Exception, match="outside the pool row"):
         session(model(layer=0, k_column=0, v_column=13, scale=0.5)).run(None, feeds)
-
-
-def test_the_abi_slots_name_the_functions_ort_has_there() -> None:
-    """ort_abi.h's slot numbers, checked against the installed library through ctypes: CreateStatus (0)
-    makes a status whose code and message GetErrorCode (1) / GetErrorMessage (2) read back; ReleaseStatus
-    (93) frees it."""
-    lib = ctypes.CDLL(str(next((Path(ort.__file__).parent / "capi").glob("libonnxruntime.so*"))))
-    lib.OrtGetApiBase.restype = ctypes.POINTER(ctypes.c_void_p)
-    base = lib.OrtGetApiBase()
-    api = ctypes.cast(ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)(base[0])(16), ctypes.POINTER(ctypes.c_void_p))
-    status = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)(api[0])(2, b"slot check")
-    assert ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(api[1])(status) == 2
-    assert ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(api[2])(status) == b"slot check"
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(api[93])(status)
-    header = (Path(ort_cpu.__file__).parent / "ort_abi.h").read_text()
-    assert "CreateStatus = 0," in header and "ReleaseStatus = 93," in header
 
 
 def test_the_library_is_built_once_per_source_and_kept(tmp_path, monkeypatch) -> None:

@@ -7,7 +7,6 @@ their own rows; a weight that is not a constant initializer is refused at sessio
 
 from __future__ import annotations
 
-import ctypes
 import platform
 from pathlib import Path
 
@@ -214,16 +213,3 @@ def test_a_wrong_width_is_an_error_not_a_read_past_the_rows() -> None:
     s = session(model)
     with pytest.raises(Exception, match="last axis is 5, the weight's K is 6"):
         s.run(None, {"x": np.zeros((2, 5), np.float32)})
-
-
-def test_the_slots_past_the_first_hundred_name_the_functions_ort_has_there() -> None:
-    """ort_abi.h counts KernelInfoGetConstantInput_tensor (249) and KernelContext_ParallelFor (274) from
-    ORT's header; GetBuildInfoString (254) between them is callable without a kernel and answers with ORT's
-    build string, which pins the count there (the two others are exercised by the tests above)."""
-    lib = ctypes.CDLL(str(next((Path(ort.__file__).parent / "capi").glob("libonnxruntime.so*"))))
-    lib.OrtGetApiBase.restype = ctypes.POINTER(ctypes.c_void_p)
-    base = lib.OrtGetApiBase()
-    api = ctypes.cast(ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)(base[0])(17), ctypes.POINTER(ctypes.c_void_p))
-    assert ctypes.CFUNCTYPE(ctypes.c_char_p)(api[254])().startswith(b"ORT Build Info")
-    header = (Path(ort_cpu.__file__).parent / "ort_abi.h").read_text()
-    assert "GetBuildInfoString = 254," in header and "KernelInfoGetConstantInput_tensor = 249," in header
