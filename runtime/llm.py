@@ -5,6 +5,11 @@
     outputs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=64))
     for text in llm.stream([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32)):
         print(text, end="")
+    outputs[0].outputs[0].text                  # vLLM's shape; SamplingParams(n=2) gives two completions
+    llm.chat([{"role": "user", "content": "Hi"}])   # through the artifact's chat template
+
+Without params, `generate` / `stream` / `chat` use `get_default_sampling_params()`: the model creator's
+`generation_config.json` sampling fields, as vLLM applies them (runtime/generation_config.py).
 
 A prompt is a string, a list of token ids, or a chat (a list of {"role", "content"} messages, rendered by
 the tokenizer's chat template). The LLM reads only the artifact directory: the manifest sizes the pools
@@ -33,6 +38,7 @@ from runtime.backends import load_backend
 from runtime.blocks import num_blocks_for_budget
 from runtime.engine import Engine, RequestOutput, bounded
 from runtime.errors import ArtifactError, InvalidRequestError, UnispecError
+from runtime.generation_config import sampling_defaults
 from runtime.manifest import Manifest
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import validate_prompt
@@ -91,6 +97,7 @@ class LLM:
         bounded("max_model_len", max_model_len, m.max_model_len, lower=2)
         self.num_blocks = num_blocks = _pool_blocks(m, num_blocks, kv_memory_bytes, max_model_len)
         self.tokenizer = TextTokenizer.from_dir(self.artifact_dir)
+        self.sampling_defaults = sampling_defaults(self.artifact_dir)     # a bad file fails here, in one line
         self.backend = load_backend(backend, self.artifact_dir, m, num_blocks=num_blocks, **backend_options)
         # the engine's listener is the trackers' method, not this LLM's: no cycle through the engine, so an LLM
         # let go of frees its sessions and pools at once, not at the cyclic collector's next pass
@@ -126,13 +133,14 @@ class LLM:
                                   "or a list of chat messages")
 
     def _submit(self, prompts: list[Prompt], params: list[SamplingParams], *, stream: bool = False) -> list[Hashable]:
-        """Check every request (once), then queue them all (nothing is queued when one is bad).
+        """Check every request (once), then queue them all (nothing is queued when one is bad). A prompt
+        whose params ask for n completions is n requests, in order (completion i: `params.for_completion(i)`).
 
         The checks, grammar compilation included, run in the caller's thread without the lock: a constraint
         that takes seconds to compile must not stall the steps of the requests already running."""
         encoded = [self._token_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
-        checked = [self.engine.check_request(ids, sp, f"prompt {i}")
-                   for i, (ids, sp) in enumerate(zip(encoded, params))]
+        checked = [self.engine.check_request(ids, sp.for_completion(c), f"prompt {i}")
+                   for i, (ids, sp) in enumerate(zip(encoded, params)) for c in range(sp.n)]
         with self._lock:
             self._reap()
             request_ids = []
@@ -147,26 +155,57 @@ class LLM:
 
     # --- generation ---------------------------------------------------------------------------------------
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None) -> list[RequestOutput]:
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: Params = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         Every prompt and parameter set is checked before anything runs, so one bad request fails the
-        call without starting the others. `params` is one SamplingParams for all or one per prompt.
+        call without starting the others. `sampling_params` (vLLM's name) is one SamplingParams for all or
+        one per prompt; with n > 1, an output's `outputs` holds its n completions.
         """
         prompts = _prompt_list(prompts)
-        request_ids = self._submit(prompts, _params_for(params, len(prompts)))
+        params = _params_for(self._or_default(sampling_params), len(prompts))
+        request_ids = self._submit(prompts, params)
         trackers = [self._trackers[r] for r in request_ids]
         try:
             self._drive(lambda: all(t.output is not None for t in trackers))
         finally:
             self._cancel(request_ids)        # after an error, leave nothing behind for the next call
-        return [t.output for t in trackers]
+        outputs, grouped = [t.output for t in trackers], []
+        for sp in params:                    # a prompt's n completions are n consecutive requests
+            parts, outputs = outputs[:sp.n], outputs[sp.n:]
+            grouped.append(parts[0] if sp.n == 1 else RequestOutput.of_completions(parts))
+        return grouped
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: Params = None) -> list[RequestOutput]:
+        """`generate` for one conversation (a list of {"role", "content"} messages) or a list of them, each
+        rendered by the artifact's chat template (see `apply_chat_template`)."""
+        chats = [messages] if _is_chat(messages) else list(messages) if isinstance(messages, Sequence) else None
+        if not chats or not all(_is_chat(c) for c in chats):
+            raise InvalidRequestError("LLM.chat takes a conversation (a non-empty list of {'role', 'content'} "
+                                      "dicts) or a list of conversations")
+        return self.generate(chats, sampling_params)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Stream:
         """Submit one request now; iterate the result for text deltas (token-id lists without a tokenizer)."""
-        params = params or SamplingParams()
-        (request_id,) = self._submit([prompt], [params], stream=self.tokenizer is not None)
-        return Stream(self, request_id, self._trackers[request_id], params)
+        params = self._or_default(params)
+        if params.n != 1:
+            raise InvalidRequestError(f"LLM.stream streams one completion; for n={params.n} use LLM.streams "
+                                      "(one Stream per completion) or runtime.async_llm.AsyncLLM")
+        return self.streams(prompt, params)[0]
+
+    def streams(self, prompt: Prompt, params: SamplingParams | None = None) -> list[Stream]:
+        """Submit the prompt's `params.n` completions now (all or none); one Stream per completion."""
+        params = self._or_default(params)
+        request_ids = self._submit([prompt], [params], stream=self.tokenizer is not None)
+        return [Stream(self, r, self._trackers[r], params.for_completion(c)) for c, r in enumerate(request_ids)]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the artifact's generation_config.json sampling fields (vLLM's defaults)."""
+        return SamplingParams(**self.sampling_defaults)
+
+    def _or_default(self, params: Params) -> SamplingParams | Sequence[SamplingParams]:
+        return self.get_default_sampling_params() if params is None else params
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
         if self.tokenizer is None:
@@ -216,6 +255,11 @@ class Stream:
     @property
     def output(self) -> RequestOutput | None:
         return self._tracker.output
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens committed so far (a copy; the final output's token_ids once finished)."""
+        return list(self._tracker.token_ids)
 
     def cancel(self) -> None:
         """Stop the request now (its output, finish_reason "cancelled", keeps what was generated)."""
@@ -277,9 +321,9 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return list(prompts)
 
 
-def _params_for(params: Params, n: int) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * n
+def _params_for(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * n
     params = list(params)
     if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
         raise InvalidRequestError(f"params must be one SamplingParams or one per prompt ({n}); got "

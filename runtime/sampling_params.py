@@ -4,6 +4,9 @@ Truncation order in the graph: temperature -> top-k -> top-p -> min-p; temperatu
 filter is off at its neutral value: top_k 0, top_p 1, min_p 0. `stop` mixes strings (matched in the
 decoded text; needs a tokenizer) and token ids (matched as generated); `seed` names the request's own
 noise stream, so the same seed gives the same tokens whatever else shares the batch.
+`stop_token_ids` (vLLM's name) adds token ids to `stop`'s; as in vLLM, a stop token ends the output's
+token_ids but not its text. `n` asks for that many completions of the prompt; completion i of a seeded
+request uses seed + i (so each is reproducible on its own).
 
 Structured output: at most one of `json_schema` (a JSON schema, as a dict or its JSON text), `regex`
 and `grammar` (EBNF, xgrammar's dialect). The output is constrained token by token and always
@@ -19,7 +22,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from runtime.errors import InvalidRequestError
@@ -37,6 +40,10 @@ MAX_TOP_K = 2**31 - 1
 SEED_LIMIT = 2**64
 MAX_STOP = 64                            # stop entries (strings and token ids)
 MAX_STOP_CHARS = 1024                    # characters of one stop string
+MAX_N = 128                              # completions of one request (each is a request in the engine)
+# why `logprobs` is refused (the server says the same)
+LOGPROBS_UNSUPPORTED = ("the step graphs do not output the target's log-probabilities yet, so logprobs cannot "
+                        "be returned; leave it unset")
 # A constraint is compiled before its request runs, and compiling grows fast with its size (measured with
 # xgrammar 0.2.8 on the bundled 1,024-token vocabulary, a shared 2-core machine: a schema's enum of 4,000
 # values, 55 kB, 0.14 s; 12,000, 169 kB, 1.8 s; 20,000, 289 kB, 20 s) and with the cube of a JSON schema's
@@ -94,12 +101,22 @@ class SamplingParams:
     regex: str | None = None             # a regular expression the whole output matches
     grammar: str | None = None           # an EBNF grammar (root rule `root`)
     relaxed_thinking: bool = False       # relaxed (lossy) acceptance inside <think> ... </think>
+    # token ids that end the request, `stop`'s ints included (stored as a frozenset)
+    stop_token_ids: frozenset[int] | Sequence[int] = frozenset()
+    n: int = 1                           # completions of the prompt
+    logprobs: int | None = None          # refused unless None (LOGPROBS_UNSUPPORTED)
 
     def __post_init__(self) -> None:
         stop = self.stop
         if isinstance(stop, (str, int)):
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop) if isinstance(stop, Sequence) else stop)
+        ids = self.stop_token_ids
+        if isinstance(ids, (Sequence, frozenset, set)) and not isinstance(ids, str) and all(map(_is_int, ids)):
+            stop_ints = (s for s in self.stop if _is_int(s)) if isinstance(self.stop, tuple) else ()
+            object.__setattr__(self, "stop_token_ids", frozenset(ids).union(stop_ints))
+        if self.logprobs is not None:
+            raise InvalidRequestError(f"SamplingParams.logprobs={_short(self.logprobs)}: {LOGPROBS_UNSUPPORTED}")
         object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
         for name, ok, valid in self._checks():
             if not ok:
@@ -134,15 +151,22 @@ class SamplingParams:
             ("grammar", self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
              "a non-empty EBNF grammar string"),
             ("relaxed_thinking", isinstance(self.relaxed_thinking, bool), "True or False"),
+            ("stop_token_ids", isinstance(self.stop_token_ids, frozenset) and len(self.stop_token_ids) <= MAX_STOP
+             and all(s >= 0 for s in self.stop_token_ids), f"a list of at most {MAX_STOP} token ids (ints >= 0)"),
+            ("n", _is_int(self.n) and 1 <= self.n <= MAX_N
+             and (self.seed is None or not _is_int(self.seed) or self.seed + self.n <= SEED_LIMIT),
+             f"an int in [1, {MAX_N}] (with a seed, seed + n - 1 < 2**64)"),
         ]
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(s for s in self.stop if isinstance(s, str))
 
-    @property
-    def stop_token_ids(self) -> frozenset[int]:
-        return frozenset(s for s in self.stop if not isinstance(s, str))
+    def for_completion(self, index: int) -> SamplingParams:
+        """The parameters of completion `index` of n: one completion, seeded seed + index."""
+        if self.n == 1:
+            return self
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     @property
     def structured(self) -> tuple[str, str] | None:

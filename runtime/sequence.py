@@ -29,7 +29,7 @@ from runtime.noise import RequestNoise
 from runtime.sampling_params import SamplingParams
 from runtime.structured import RequestGrammar
 
-__all__ = ["FINISH_REASONS", "RequestMetrics", "RequestOutput", "SequenceState", "acceptance_summary",
+__all__ = ["FINISH_REASONS", "CompletionOutput", "RequestMetrics", "RequestOutput", "SequenceState", "acceptance_summary",
            "validate_prompt"]
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -58,13 +58,48 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CompletionOutput:
+    """One completion of a request, as vLLM shapes it (`out.outputs[i]`)."""
+
+    index: int                                   # 0 .. n-1
+    text: str                                    # "" without a tokenizer
+    token_ids: list[int]
+    finish_reason: str                           # one of FINISH_REASONS
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True, kw_only=True)
 class RequestOutput:
+    """A finished request. `outputs` holds its completions (n of them, vLLM's shape); the fields
+    token_ids / text / finish_reason / metrics are the first completion's."""
+
     request_id: Hashable
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str                                    # "" without a tokenizer
     finish_reason: str                           # one of FINISH_REASONS
     metrics: RequestMetrics
+    outputs: tuple[CompletionOutput, ...] = ()   # () when built: this output's own fields as completion 0
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            own = CompletionOutput(index=0, text=self.text, token_ids=self.token_ids,
+                                   finish_reason=self.finish_reason, metrics=self.metrics)
+            object.__setattr__(self, "outputs", (own,))
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+    @classmethod
+    def of_completions(cls, parts: Sequence[RequestOutput]) -> RequestOutput:
+        """One request's output from the outputs of its n completions (each run as its own request)."""
+        first = parts[0]
+        completions = tuple(CompletionOutput(index=i, text=p.text, token_ids=p.token_ids,
+                                             finish_reason=p.finish_reason, metrics=p.metrics)
+                            for i, p in enumerate(parts))
+        return cls(request_id=first.request_id, prompt_token_ids=first.prompt_token_ids, token_ids=first.token_ids,
+                   text=first.text, finish_reason=first.finish_reason, metrics=first.metrics, outputs=completions)
 
     def summary(self) -> str:
         """One line: tokens, speed, speculative acceptance, why it ended."""

@@ -14,6 +14,9 @@ __version__ = "0.1.0"
 _PUBLIC: dict[str, tuple[str, str]] = {
     "LLM": ("runtime.llm", "LLM"),
     "SamplingParams": ("runtime.sampling_params", "SamplingParams"),
+    "AsyncLLM": ("runtime.async_llm", "AsyncLLM"),
+    "RequestOutput": ("runtime.sequence", "RequestOutput"),
+    "CompletionOutput": ("runtime.sequence", "CompletionOutput"),
     "export_model": ("export.artifact", "export_model"),
     "build_engine": ("engines.build", "build_engine"),
 }

@@ -2,14 +2,15 @@
 This module holds what both share: the config and the served model; serve_app.py builds the app and
 runs it under uvicorn, serve_ray.py deploys it on Ray Serve.
 
-    client ─HTTP─▶ uvicorn ─▶ FastAPI app (serve_app.py) ─▶ ServedModel ─threads─▶ LLM (one engine, one lock)
+    client ─HTTP─▶ uvicorn ─▶ FastAPI app (serve_app.py) ─▶ ServedModel ─▶ AsyncLLM ─threads─▶ LLM (one engine, one lock)
     client ─HTTP─▶ Ray Serve proxy ─router─▶ replica 1..N, each the same app on its own LLM (serve_ray.py)
 
 Concurrency: the LLM is blocking and guarded by one lock; a thread that waits for its request's next
 tokens runs one step for every request in flight (runtime/llm.py). So each open request waits for its
-deltas in a worker thread, never on the event loop, and all connections share one continuous batch.
-At most `max_batch_size` requests are in the engine at once; later ones wait (FIFO) for a slot. A request
-whose client goes away is cancelled, which frees its KV blocks at once.
+deltas in a worker thread, never on the event loop (runtime/async_llm.py's AsyncLLM does the hand-off),
+and all connections share one continuous batch. At most `max_batch_size` requests (n > 1 counts n) are in
+the engine at once; later ones wait (FIFO) for a slot. A request whose client goes away is cancelled,
+which frees its KV blocks at once.
 
 Bounds on what one request may cost before it is refused: `max_request_bytes` on the HTTP body (default
 4 MiB of text plus room for the longest token-id prompt the context allows), and a prompt text's length in
@@ -20,13 +21,16 @@ entry of the vocabulary, so a text longer than max_model_len times that can neve
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.errors import UnispecError
 from runtime.sequence import RequestOutput
+
+if TYPE_CHECKING:
+    from runtime.async_llm import AsyncStream
 
 __all__ = ["ServeConfig", "ServedModel", "load_model", "require_serve_extra"]
 
@@ -90,11 +94,11 @@ class ServedModel:
 
     def __init__(self, llm: Any, *, name: str, max_batch_size: int, chat_template: str | None = None,
                  max_request_bytes: int | None = None) -> None:
-        import anyio
-
+        from runtime.async_llm import AsyncLLM
         from unispec.serve_metrics import ServeMetrics
 
         self.llm, self.name, self.max_batch_size = llm, name, max_batch_size
+        self.async_llm = AsyncLLM(llm, max_concurrency=max_batch_size)
         self.max_model_len = llm.engine.max_model_len
         self.max_request_bytes = max_request_bytes or default_request_bytes(self.max_model_len,
                                                                             llm.manifest.vocab_size)
@@ -108,14 +112,9 @@ class ServedModel:
 
             t = llm.tokenizer
             self.chat_tokenizer = TextTokenizer(t.backend, chat_template, t.special_tokens)
-        self._slots = anyio.Semaphore(max_batch_size)
-        # One thread per request in the engine (each waits for its own deltas), plus a few for encoding.
-        self._threads = anyio.CapacityLimiter(max_batch_size + 4)
 
     async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        import anyio
-
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
+        return await self.async_llm.run(fn, *args)
 
     async def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -146,33 +145,23 @@ class ServedModel:
         return await self.in_thread(
             lambda: self.llm.encode(self.chat_tokenizer.encode(text, add_special_tokens=False), "messages"))
 
-    async def generate(self, prompt_ids: list[int], params: Any, endpoint: str
-                       ) -> AsyncIterator[None | str | list[int] | RequestOutput]:
-        """Yields None once the request is in the engine (a bad request raises before that), then its
-        deltas (text, or token-id lists without a tokenizer), then its RequestOutput. Closing the
-        generator early (client gone, cancelled task) cancels the request and frees its blocks."""
-        import anyio
-
+    async def start(self, prompt_ids: list[int], params: Any, endpoint: str) -> AsyncStream:
+        """The request in the engine (an InvalidRequestError when it cannot run), as an AsyncStream of
+        deltas (runtime/async_llm.py). Closing the stream early (client gone, cancelled task) cancels the
+        request and frees its blocks; each completion's outcome goes to the metrics once it is over."""
         self.metrics.server_queue += 1
         try:
-            await self._slots.acquire()
+            stream = await self.async_llm.add_request(prompt_ids, params)
         finally:
             self.metrics.server_queue -= 1
-        started, stream = time.perf_counter(), None
-        try:
-            with anyio.CancelScope(shield=True):     # a request in the engine must be known here, to be cancelled
-                stream = await self.in_thread(self.llm.stream, prompt_ids, params)
-            deltas = iter(stream)
-            yield None
-            while (delta := await self.in_thread(next, deltas, None)) is not None:
-                yield delta
-            yield stream.output
-        finally:
-            with anyio.CancelScope(shield=True):     # runs even when the request's task is being cancelled
-                if stream is not None:
-                    await self.in_thread(_close, stream, deltas)
-                    self.metrics.record(endpoint, stream.output, time.perf_counter() - started)
-                self._slots.release()
+        started = time.perf_counter()
+
+        def record(outputs: list[RequestOutput | None]) -> None:
+            for output in outputs:
+                self.metrics.record(endpoint, output, time.perf_counter() - started)
+
+        stream.on_close(record)
+        return stream
 
 
 def default_request_bytes(max_model_len: int, vocab_size: int) -> int:
@@ -185,12 +174,6 @@ def _longest_token_chars(tokenizer: Any) -> int:
     """Characters the longest vocabulary entry (added tokens too) spans: a byte-level entry has one character
     per byte, and a decoded character is at least one byte, so no token of any text is longer."""
     return max((len(token) for token in tokenizer.get_vocab(with_added_tokens=True)), default=1)
-
-
-def _close(stream: Any, deltas: Any) -> None:
-    """Cancel (a no-op once finished) and close the iterator, off the event loop: both take the lock."""
-    stream.cancel()
-    deltas.close()
 
 
 def load_model(config: ServeConfig) -> ServedModel:

@@ -8,6 +8,7 @@
 
 A streamed reply sends one chunk per engine step that made new text visible, then a chunk with the
 finish_reason (and the token ids when `return_token_ids` is set), an optional usage chunk, and `[DONE]`.
+With `n` > 1 the choices' chunks interleave, each with its `index`, and usage counts them all.
 Every error is OpenAI-shaped JSON: 400 for a request the model cannot serve as given (a value of the wrong
 type, bad sampling values, a prompt too long, a schema on an artifact without structured output), 404 for
 an unknown model or route, 413 for a body over `max_request_bytes`; an unexpected failure is a one-line
@@ -32,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from runtime.async_llm import AsyncStream
 from runtime.errors import InvalidRequestError, UnispecError
 from runtime.sequence import RequestOutput
 from unispec.serve import ServeConfig, ServedModel, load_model
@@ -70,7 +72,8 @@ def build_app(model: ServedModel) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(model, body.model)
-        params = body.sampling_params(default_max_tokens=16)          # OpenAI's default for completions
+        params = body.sampling_params(default_max_tokens=16,          # OpenAI's default for completions
+                                      defaults=model.llm.sampling_defaults)
         ids = await _encoded(model.encode(body.single_prompt()), "prompt")
         return await _answer(model, Reply.new("completion", model.name, body.return_token_ids), ids, params,
                              body, request)
@@ -79,7 +82,7 @@ def build_app(model: ServedModel) -> FastAPI:
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         _check_model(model, body.model)
         # a chat may run to the end of the context unless it says otherwise; the engine caps max_tokens there
-        params = body.sampling_params(default_max_tokens=model.max_model_len)
+        params = body.sampling_params(default_max_tokens=model.max_model_len, defaults=model.llm.sampling_defaults)
         ids = await _encoded(model.encode_chat(body.chat()), "messages")
         return await _answer(model, Reply.new("chat", model.name, body.return_token_ids), ids, params, body,
                              request)
@@ -102,36 +105,41 @@ async def _encoded(encoding: Any, param: str) -> list[int]:
 
 async def _answer(model: ServedModel, reply: Reply, ids: list[int], params: Any, body: Any,
                   request: Request) -> Response:
-    events = model.generate(ids, params, endpoint=reply.kind)
     try:
-        await anext(events)                   # queued in the engine: a request it refuses raises here
+        stream = await model.start(ids, params, endpoint=reply.kind)   # a request the engine refuses raises here
     except InvalidRequestError as exc:
-        raise APIError.from_invalid(exc, "response_format" if params.structured else None) from None
+        raise APIError.from_invalid(exc, body.structured_param if params.structured else None) from None
     if body.stream:
-        return StreamingResponse(_stream(events, reply, body.include_usage), media_type="text/event-stream",
+        return StreamingResponse(_stream(stream, reply, body.include_usage, params.n), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    async with aclosing(events):
-        async for event in events:
-            if isinstance(event, RequestOutput):
-                return JSONResponse(reply.full(event))
+    outputs: dict[int, RequestOutput] = {}
+    async with aclosing(stream):
+        async for delta in stream:
+            if delta.output is not None:
+                outputs[delta.index] = delta.output
+                if len(outputs) == params.n:
+                    return JSONResponse(reply.full([outputs[i] for i in range(params.n)]))
             if await request.is_disconnected():
-                break                         # closing `events` cancels the request
+                break                         # closing the stream cancels the request
     return Response(status_code=499)          # nobody is listening any more
 
 
-async def _stream(events: AsyncIterator[Any], reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events; when the client disconnects, Starlette cancels this task, which closes `events`."""
-    async with aclosing(events):
+async def _stream(stream: AsyncStream, reply: Reply, include_usage: bool, n: int) -> AsyncIterator[str]:
+    """Server-sent events; when the client disconnects, Starlette cancels this task, which closes `stream`."""
+    async with aclosing(stream):
         try:
             if reply.kind == "chat":
-                yield sse(reply.chunk("", role="assistant"))
-            async for event in events:
-                if isinstance(event, RequestOutput):
-                    yield sse(reply.chunk(output=event))
-                    if include_usage:
-                        yield sse(reply.usage_chunk(event))
-                elif isinstance(event, str):
-                    yield sse(reply.chunk(event))
+                for index in range(n):
+                    yield sse(reply.chunk("", role="assistant", index=index))
+            outputs: dict[int, RequestOutput] = {}
+            async for delta in stream:
+                if delta.text:
+                    yield sse(reply.chunk(delta.text, index=delta.index))
+                if delta.output is not None:
+                    outputs[delta.index] = delta.output
+                    yield sse(reply.chunk(output=delta.output, index=delta.index))
+            if include_usage:
+                yield sse(reply.usage_chunk([outputs[i] for i in range(n)]))
         except Exception as exc:              # the reply has started: report in the stream, as OpenAI does
             log.exception("a streamed request failed")
             yield sse(error_body(_one_line(exc), 500))

@@ -1,11 +1,18 @@
 """The OpenAI wire format of `unispec serve`: request bodies, their SamplingParams, replies and errors.
 
-Field names and defaults follow OpenAI's completions and chat completions APIs. vLLM's extensions are
-accepted in the body too (the openai client's `extra_body`): `top_k`, `min_p`, `ignore_eos`,
-`stop_token_ids`, and `return_token_ids` (the reply carries `prompt_token_ids` and each choice its
-`token_ids`; a streamed reply sends them in its last chunk). OpenAI fields unispec cannot honour (n > 1,
-logprobs, penalties, tools, ...) are refused with a 400 when set to anything but their neutral value:
-ignoring them would hand the client an answer it did not ask for. Unknown fields are ignored, as vLLM does.
+Field names and defaults follow OpenAI's completions and chat completions APIs, `n` choices included.
+vLLM's extensions are accepted in the body too (the openai client's `extra_body`): `top_k`, `min_p`,
+`ignore_eos`, `stop_token_ids`, `return_token_ids` (the reply carries `prompt_token_ids` and each choice its
+`token_ids`; a streamed reply sends them in each choice's last chunk), and structured output as vLLM
+spells it, `guided_json` / `guided_regex` / `guided_grammar` or `structured_outputs: {json | regex |
+grammar | json_object}` (the same constraint as `response_format`; a 400 on an artifact without it).
+A sampling field the request leaves out (temperature, top_p, top_k, min_p) takes the artifact's
+generation_config.json default, as in vLLM, else the OpenAI default.
+
+Every other field is refused with a 400 naming it, except IGNORED (harmless bookkeeping OpenAI clients
+send: `user`, `metadata`, ...) and the NEUTRAL ones when set to their neutral value (`logprobs: false`,
+`presence_penalty: 0`, ...): ignoring a field would hand the client an answer it did not ask for.
+`logprobs` is refused because the step graphs do not output the target's log-probabilities yet.
 
 Types are strict, as the Python API's are: a bool is not an int (`"max_tokens": true` is a 400), a string
 is not a bool (`"stream": "yes"`), a number field takes ints (`"temperature": 1`), an int field takes
@@ -28,7 +35,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from runtime.errors import InvalidRequestError
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import LOGPROBS_UNSUPPORTED, SamplingParams
 from runtime.sequence import RequestOutput
 
 __all__ = ["APIError", "ChatRequest", "CompletionRequest", "Reply", "error_body"]
@@ -36,15 +43,21 @@ __all__ = ["APIError", "ChatRequest", "CompletionRequest", "Reply", "error_body"
 # every request model: no coercion between JSON types, no NaN or Infinity (see the module docstring)
 STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 
-# OpenAI field -> its neutral values; anything else is refused (see the module docstring)
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+# fields accepted with any value and ignored: bookkeeping that does not change the answer
+IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key")
+# field -> its neutral values; any other value is refused (see the module docstring)
+NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
     "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
+    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "audio": (None,), "modalities": (None, ["text"]),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
 }
 # SamplingParams field (named in its errors) -> the request field a client set
-_PARAM_OF_FIELD = {"json_schema": "response_format", "stop": "stop", "max_tokens": "max_tokens"}
+_PARAM_OF_FIELD = {"json_schema": "response_format", "stop": "stop", "max_tokens": "max_tokens",
+                   "stop_token_ids": "stop_token_ids"}
+# request field -> the SamplingParams field it sets (vLLM's structured output fields)
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}
 
 
 def error_body(message: str, status: int, *, param: str | None = None, code: str | None = None) -> dict:
@@ -133,6 +146,24 @@ class ResponseFormat(BaseModel):
         return None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` body field (the constraints unispec can apply)."""
+
+    model_config = ConfigDict(extra="forbid", **STRICT)
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+    def constraint(self) -> dict[str, Any]:
+        chosen = {"json_schema": self.json_, "regex": self.regex, "grammar": self.grammar,
+                  "json_object": {"type": "object"} if self.json_object else None}
+        chosen = {k: v for k, v in chosen.items() if v is not None}
+        if len(chosen) > 1:
+            raise APIError(400, f"structured_outputs sets {' and '.join(chosen)}; give one", param="structured_outputs")
+        return {("json_schema" if k == "json_object" else k): v for k, v in chosen.items()}
+
+
 class _Request(BaseModel):
     """What completions and chat completions share: model, sampling, streaming, structured output."""
 
@@ -140,10 +171,11 @@ class _Request(BaseModel):
     model: Text
     # OpenAI marks these nullable: null means the default
     max_tokens: Int | None = None
+    # null or absent: generation_config.json's default, else OpenAI's (in brackets)
     temperature: float | None = None    # 1.0
     top_p: float | None = None          # 1.0 (off)
-    top_k: Int = 0                      # off; vLLM's -1 too
-    min_p: float = 0.0                  # off
+    top_k: Int | None = None            # 0 (off); vLLM's -1 too
+    min_p: float | None = None          # 0.0 (off)
     seed: Int | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
@@ -152,32 +184,77 @@ class _Request(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputs | None = None
     return_token_ids: bool = False
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The request's SamplingParams; an APIError (400) naming the field when a value is refused."""
+    def sampling_params(self, default_max_tokens: int, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The request's SamplingParams; an APIError (400) naming the field when a value is refused.
+        `defaults`: the artifact's sampling defaults (LLM.sampling_defaults), for the fields left out."""
         self._refuse_unsupported()
+        defaults = defaults or {}
+
+        def chosen(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        top_k = chosen("top_k", 0)
         try:
             return SamplingParams(
-                max_tokens=self._max_tokens(default_max_tokens),
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
-                min_p=self.min_p, seed=self.seed,
-                stop=(*stop, *(self.stop_token_ids or ())), ignore_eos=self.ignore_eos,
-                json_schema=self.response_format.schema_text() if self.response_format else None)
+                max_tokens=self._max_tokens(default_max_tokens), temperature=chosen("temperature", 1.0),
+                top_p=chosen("top_p", 1.0), top_k=0 if top_k == -1 else top_k, min_p=chosen("min_p", 0.0),
+                seed=self.seed, n=1 if self.n is None else self.n, stop=tuple(stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, **self._constraint())
         except InvalidRequestError as exc:
-            raise APIError.from_invalid(exc) from None
+            raise APIError.from_invalid(exc, self.structured_param if "SamplingParams sets" in str(exc) else None) \
+                from None
+
+    def _constraint(self) -> dict[str, Any]:
+        """The SamplingParams structured-output field the request sets (at most one of them, else a 400)."""
+        given = {name: getattr(self, name) for name in _GUIDED if getattr(self, name) is not None}
+        if self.response_format is not None and self.response_format.schema_text() is not None:
+            given["response_format"] = self.response_format.schema_text()
+        if self.structured_outputs is not None and self.structured_outputs.constraint():
+            given["structured_outputs"] = self.structured_outputs.constraint()
+        if len(given) > 1:
+            raise APIError(400, f"the request sets {' and '.join(given)}; give one structured output constraint",
+                           param=self.structured_param)
+        if not given:
+            return {}
+        name, value = next(iter(given.items()))
+        return value if name == "structured_outputs" else {_GUIDED.get(name, "json_schema"): value}
+
+    @property
+    def structured_param(self) -> str | None:
+        """The request field that asks for structured output (named by errors about it)."""
+        for name in (*_GUIDED, "structured_outputs"):
+            if getattr(self, name) is not None:
+                return name
+        return "response_format" if self.response_format is not None else None
 
     def _max_tokens(self, default: int) -> int:
         return default if self.max_tokens is None else self.max_tokens
 
     def _refuse_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise APIError(400, f"n={self.n} is not supported; unispec serve returns one choice (n=1)", param="n")
-        for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED and not any(value == neutral for neutral in UNSUPPORTED[name]):
-                raise APIError(400, f"{name} is not supported by unispec serve; leave it out", param=name)
+        extra = self.model_extra or {}
+        unknown = [name for name in extra if name not in IGNORED and name not in NEUTRAL]
+        if unknown:
+            names = ", ".join(f"`{name}`" for name in unknown)
+            many = len(unknown) > 1
+            raise APIError(400, f"unknown or unsupported field{'s' * many} {names}: unispec serve does not take "
+                           f"{'them' if many else 'it'}; leave {'them' if many else 'it'} out", param=unknown[0],
+                           code="unsupported_field")
+        for name, value in extra.items():
+            # (True == 1 in Python: a bool is neutral only where the list holds that bool)
+            if name in NEUTRAL and not any(value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+                                           for neutral in NEUTRAL[name]):
+                why = LOGPROBS_UNSUPPORTED if "logprobs" in name else "unispec serve does not support it; leave it out"
+                shown = json.dumps(value)
+                raise APIError(400, f"{name}={shown if len(shown) <= 40 else shown[:37] + '...'} is not supported: "
+                               f"{why}", param=name, code="unsupported_field")
 
     @property
     def include_usage(self) -> bool:
@@ -251,22 +328,27 @@ class Reply:
         return {"id": self.id, "object": obj + (".chunk" if streamed and self.kind == "chat" else ""),
                 "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, output: RequestOutput) -> dict:
-        """The non-streamed answer."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": output.finish_reason, "logprobs": None}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": output.text}
-        else:
-            choice["text"] = output.text
-        body = self._envelope([self._with_ids(choice, output)], streamed=False)
-        body["usage"] = usage(output)
+    def full(self, outputs: list[RequestOutput]) -> dict:
+        """The non-streamed answer: one choice per completion (`n`), in order."""
+        choices = []
+        for index, output in enumerate(outputs):
+            choice: dict[str, Any] = {"index": index, "finish_reason": output.finish_reason, "logprobs": None}
+            if self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": output.text}
+            else:
+                choice["text"] = output.text
+            choices.append(self._with_ids(choice, output))
+        body = self._envelope(choices, streamed=False)
+        body["usage"] = usage(outputs)
         if self.with_token_ids:
-            body["prompt_token_ids"] = list(output.prompt_token_ids)
+            body["prompt_token_ids"] = list(outputs[0].prompt_token_ids)
         return body
 
-    def chunk(self, text: str | None = None, *, role: str | None = None, output: RequestOutput | None = None) -> dict:
-        """One streamed chunk: a text delta, the opening role (chat), or the closing finish_reason."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": output.finish_reason if output else None,
+    def chunk(self, text: str | None = None, *, role: str | None = None, output: RequestOutput | None = None,
+              index: int = 0) -> dict:
+        """One streamed chunk of choice `index`: a text delta, the opening role (chat), or the closing
+        finish_reason."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": output.finish_reason if output else None,
                                   "logprobs": None}
         if self.kind == "chat":
             choice["delta"] = {k: v for k, v in (("role", role), ("content", text)) if v is not None}
@@ -277,9 +359,9 @@ class Reply:
             body["prompt_token_ids"] = list(output.prompt_token_ids)
         return body
 
-    def usage_chunk(self, output: RequestOutput) -> dict:
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         """The extra last chunk `stream_options.include_usage` asks for: no choices, only usage."""
-        return {**self._envelope([], streamed=True), "usage": usage(output)}
+        return {**self._envelope([], streamed=True), "usage": usage(outputs)}
 
     def _with_ids(self, choice: dict, output: RequestOutput | None) -> dict:
         if output is not None and self.with_token_ids:
@@ -287,8 +369,9 @@ class Reply:
         return choice
 
 
-def usage(output: RequestOutput) -> dict[str, int]:
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    """The prompt counted once, the completions' tokens summed (as OpenAI counts n > 1)."""
+    prompt, completion = len(outputs[0].prompt_token_ids), sum(len(o.token_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

@@ -184,6 +184,7 @@ def test_the_facade_exports_these_classes() -> None:
     from runtime.sampling_params import SamplingParams as Params
 
     assert unispec.LLM is LLM and unispec.SamplingParams is Params
+    assert unispec.AsyncLLM.__module__ == "runtime.async_llm" and unispec.CompletionOutput.__name__ == "CompletionOutput"
 
 
 # --- streaming, threads, chat, thinking, failures (the artifact with a trained tokenizer) ---------------------
@@ -361,3 +362,18 @@ def test_bad_settings_and_constraints_fail_before_anything_runs(json_llm: LLM, a
     with pytest.raises(InvalidRequestError, match="json_schema does not compile"):
         json_llm.generate([[5], [6]], [GREEDY, SamplingParams(json_schema={"type": "object", "minProperties": "x"})])
     assert not json_llm.engine.has_unfinished() and not json_llm._trackers
+
+
+def test_vllm_shapes_stop_token_ids_and_logprobs(llm: LLM) -> None:
+    prompt = [21, 22, 23, 24, 25]
+    full = llm.generate([prompt], GREEDY)[0]
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in full.outputs] == \
+        [(0, full.text, full.token_ids, full.finish_reason)]
+    i = _first_new_token(full.token_ids)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[full.token_ids[i]],
+                                                ignore_eos=True))[0].outputs[0]
+    # as vLLM: the stop token ends token_ids, and its text is left out
+    assert out.token_ids == full.token_ids[:i + 1] and out.finish_reason == "stop"
+    assert out.text == llm.tokenizer.decode(full.token_ids[:i])
+    with pytest.raises(InvalidRequestError, match="log-probabilities"):
+        SamplingParams(logprobs=2)
