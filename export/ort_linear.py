@@ -35,12 +35,16 @@ def lower(model: ir.Model) -> int:
 
     moved = 0
     for node in list(model.graph):
-        trans_b = _layout(node)
+        transpose = _transposed_weight(node)
+        trans_b = 1 if transpose is not None else _layout(node)
         if trans_b is None:
             continue
-        linear = ir.node("PackedLinear", inputs=node.inputs[:2], domain=ort_cpu.DOMAIN, version=1,
+        weight = transpose.inputs[0] if transpose is not None else node.inputs[1]
+        linear = ir.node("PackedLinear", inputs=[node.inputs[0], weight], domain=ort_cpu.DOMAIN, version=1,
                          attributes={"trans_b": trans_b}, name=node.name, num_outputs=1)
         replace_node(model.graph, node, linear)
+        if transpose is not None and not transpose.outputs[0].uses() and not transpose.outputs[0].is_graph_output():
+            model.graph.remove(transpose, safe=True)
         moved += 1
     if moved:
         model.opset_imports[ort_cpu.DOMAIN] = 1
@@ -71,3 +75,22 @@ def _layout(node: ir.Node) -> int | None:
             or attrs.get_float("alpha", 1.0) != 1.0 or x.shape is None or len(x.shape) != 2):
         return None
     return 1
+
+
+def _transposed_weight(node: ir.Node) -> ir.Node | None:
+    """The Transpose when `node` is MatMul(x, Transpose(W)) of a 2-D float32 weight W (a drafter reusing the
+    target's head writes the target's logits so): PackedLinear(x, W, trans_b=1) is the same product, and the
+    same kernel as the target-only graph's head, so both graphs compute the logits bit for bit alike."""
+    import onnx_ir as ir
+
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[0] is None:
+        return None
+    source = node.inputs[1].producer() if node.inputs[1] is not None else None
+    if source is None or source.op_type != "Transpose" or source.domain not in ("", "ai.onnx"):
+        return None
+    weight = source.inputs[0]
+    if (list(source.attributes.get_ints("perm", [1, 0])) != [1, 0] or weight is None or not weight.is_initializer()
+            or weight.is_graph_input() or weight.graph is not node.graph or node.inputs[0].dtype != ir.DataType.FLOAT
+            or weight.dtype != ir.DataType.FLOAT or weight.shape is None or len(weight.shape) != 2):
+        return None
+    return source

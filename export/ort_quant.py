@@ -14,7 +14,8 @@ Both ways there run that kernel:
 - **`lower`** writes MatMulNBits into the graph, `accuracy_level` (default 4, as ORT's fusion) an attribute,
   for the weights ORT 1.32 does not fuse: one read by several MatMuls (a drafter unrolled over K draft steps;
   the optimizer's CSE gives its uses one DQ, and ORT fuses only a DQ whose codes nothing else reads) and a
-  MatMul whose only consumer is a Relu or Clip (ORT's QDQ selector then looks for a Q after it). The codes
+  MatMul whose only consumer is a Relu or Clip (ORT's QDQ selector then looks for a Q after it) or an Add
+  (its MatMulAddFusion takes the MatMul first: a shared expert's down_proj + the routed experts). The codes
   are repacked (uint q + 2^(bits-1), [N, K] row-major), so these are new bytes, held in the ORT graph
   itself, once per weight however many MatMuls read it. `every=True` lowers all (benchmarks).
 """
@@ -58,6 +59,7 @@ def lower(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL, *, ever
     import onnx_ir as ir
 
     assert accuracy_level in ACCURACY_LEVELS, accuracy_level
+    _bypass_scale_identities(model.graph)
     packed: dict[str, tuple[ir.Value, ir.Value, dict]] = {}
     read: set[str] = set()
     chosen = [(node, *found) for node in model.graph if (found := _dequantized_weight(node)) is not None
@@ -81,11 +83,24 @@ def lower(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL, *, ever
     return sum(1 for node in model.graph if node.op_type == "MatMulNBits" and node.domain == DOMAIN)
 
 
+def _bypass_scale_identities(graph: ir.Graph) -> None:
+    """Each DQ reads its scales from their initializer again. export/quantize.py passes a later use of a
+    weight's scales through an Identity of its own, for TensorRT-RTX; onnxscript's optimizer has already
+    removed them in write_ort_graph, a graph lowered unoptimized still has them."""
+    for node in list(graph):
+        source = node.inputs[0] if node.op_type == "Identity" and node.inputs else None
+        if source is None or not source.is_initializer() or node.outputs[0].is_graph_output():
+            continue
+        if all(use.node.op_type == "DequantizeLinear" and use.idx == 1 for use in node.outputs[0].uses()):
+            node.outputs[0].replace_all_uses_with(source)
+            graph.remove(node, safe=True)
+
+
 def _not_fused_by_ort(node: ir.Node, dq: ir.Node) -> bool:
     """Whether ONNX Runtime 1.32 leaves this DQ + MatMul unfused (see the module docstring)."""
     users = [use.node for use in node.outputs[0].uses()]
     return (len(dq.outputs[0].uses()) > 1 or len(dq.inputs[0].uses()) > 1
-            or (len(users) == 1 and users[0].op_type in ("Relu", "Clip")))
+            or (len(users) == 1 and users[0].op_type in ("Relu", "Clip", "Add")))   # Add: MatMulAddFusion wins
 
 
 def _dequantized_weight(node: ir.Node) -> tuple[ir.Node, dict[str, int]] | None:

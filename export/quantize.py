@@ -1,7 +1,8 @@
 """Weight-only quantization of the linear layers (DESIGN.md §10): symmetric, block-wise round-to-nearest
 (RTN) along the reduction axis K, int4 or int8, written as standard ONNX into the portable graph.
 
-Each float `MatMul(x, W)` / `Gemm(x, W, transB)` whose W is a 2-D initializer of the main graph becomes
+Each float `MatMul(x, W)` / `Gemm(x, W, transB)` / `MatMul(x, Transpose(W))` whose W is a 2-D initializer
+of the main graph becomes
 
 ```
 W [N, K] or [K, N] float ─ quantize_blocks ─▶ q [K, N] int4|int8 ──┐
@@ -19,6 +20,14 @@ x [..., K] ───────────────────────
   target-only graph's weights, are still stored once (dedupe_initializers, export/target_only.link_weights).
 - The lm_head (a linear whose float output reaches no other linear: logits only feed sampling) is quantized
   only when asked; embeddings (Gather) stay float. A weight also read by another op keeps its float copy.
+- The step graph and target_only.onnx quantize the same target linears into the same bytes, however the
+  exporter wrote each (W, W^T, Transpose(W)): speculation is lossless only against the same quantized target.
+- A weight read by several linears (a drafter unrolled over its K draft steps) is stored once, but each
+  later DQ reads the scales through an Identity of its own. TensorRT-RTX 1.7.1's Myelin merges DQs with
+  equal inputs and then fails to compile sibling MatMuls (q/k/v, gate/up: one input) whose merged DQs
+  another sibling group also reads ("Unexpected exception vector::_M_range_check: __n (which is 1) >=
+  this->size() (which is 0)"), whatever the bits, block size, axis or scale dtype. ONNX Runtime's
+  optimizers drop the Identity, so model.ort.onnx is unchanged (tests/engines/test_quantized_build.py).
 """
 
 from __future__ import annotations
@@ -122,6 +131,8 @@ class _Linear:
 def quantize_graph(model: onnx.ModelProto, settings: QuantizeSettings) -> int:
     """Rewrite the linear layers of `model` (weights held in memory) as DequantizeLinear + MatMul, in place;
     returns how many nodes changed. Every K is checked before anything is changed."""
+    from onnx import helper
+
     from export.onnx_files import nodes, opset_of
 
     opset = opset_of(model) or 0
@@ -141,18 +152,23 @@ def quantize_graph(model: onnx.ModelProto, settings: QuantizeSettings) -> int:
     new_nodes = []
     for index, linear in enumerate(linears):
         key = (linear.weight, linear.transposed)
-        if key not in made:
-            made[key] = _add_quantized(graph, initializers[linear.weight], linear.transposed, settings)
-        codes, scales = made[key]
         dequantized = f"{linear.node.name or linear.weight}_dequantized_{index}"
+        if key in made:                               # a later use: scales of its own (module docstring)
+            codes, shared = made[key]
+            scales = f"{dequantized}_scale"
+            new_nodes.append(helper.make_node("Identity", [shared], [scales], name=f"{scales}_node"))
+        else:
+            made[key] = _add_quantized(graph, initializers[linear.weight], linear.transposed, settings)
+            codes, scales = made[key]
         new_nodes.append(_dequantize_node(codes, scales, dequantized, settings.block_size))
         _as_matmul(linear.node, dequantized)
+    _drop_unread_transposes(graph)
     used = {name for node in nodes(graph) for name in node.input}
     replaced = {linear.weight for linear in linears} - used       # float weights nothing else reads
     kept = [tensor for tensor in graph.initializer if tensor.name not in replaced]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    # a DQ reads initializers only, so ahead of every node is in topological order
+    # a DQ (and a scales Identity) reads initializers only, so ahead of every node is in topological order
     ordered = [*new_nodes, *graph.node]
     del graph.node[:]
     graph.node.extend(ordered)
@@ -160,19 +176,22 @@ def quantize_graph(model: onnx.ModelProto, settings: QuantizeSettings) -> int:
 
 
 def _linears(graph: onnx.GraphProto) -> list[_Linear]:
-    """The main graph's MatMul / Gemm nodes whose weight is a float 2-D initializer (not also a graph input)."""
+    """The main graph's MatMul / Gemm nodes whose weight is a float 2-D initializer (not also a graph input),
+    or a MatMul's weight written `Transpose(W)` of one (then `transposed`, W [N, K])."""
     from onnx import helper
 
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     inputs = {value.name for value in graph.input}
+    producers = {name: node for node in graph.node for name in node.output}
     found = []
     for node in graph.node:
         if node.op_type not in _LINEAR_OPS or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             continue
-        weight = initializers.get(node.input[1])
+        weight, transposed = initializers.get(node.input[1]), False
+        if weight is None and node.op_type == "MatMul":
+            weight, transposed = _transposed_initializer(producers.get(node.input[1]), initializers), True
         if weight is None or weight.name in inputs or weight.data_type not in _FLOAT_TYPES or len(weight.dims) != 2:
             continue
-        transposed = False
         if node.op_type == "Gemm":
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             if (len(node.input) > 2 and node.input[2]) or attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0:
@@ -180,6 +199,34 @@ def _linears(graph: onnx.GraphProto) -> list[_Linear]:
             transposed = bool(attrs.get("transB", 0))
         found.append(_Linear(node, weight.name, transposed))
     return found
+
+
+def _transposed_initializer(node: onnx.NodeProto | None,
+                            initializers: dict[str, onnx.TensorProto]) -> onnx.TensorProto | None:
+    """W when `node` is Transpose(W) of a 2-D initializer. The exporter writes a Parameter used both ways
+    that way: DFlash's drafter reads the target's lm_head as Gemm(transB=1) and the verify step's head as
+    MatMul(x, Transpose(W)). Missing it left that head out of `_heads`' walk, so the down_proj before it
+    counted as a head and stayed float while the target-only graph's was quantized (issue 35)."""
+    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+        return None
+    perm = [list(a.ints) for a in node.attribute if a.name == "perm"]
+    tensor = initializers.get(node.input[0])
+    if tensor is None or len(tensor.dims) != 2 or perm not in ([], [[1, 0]]):
+        return None
+    return tensor
+
+
+def _drop_unread_transposes(graph: onnx.GraphProto) -> None:
+    """Remove the Transpose(W) nodes a quantized MatMul no longer reads (W's float copy then goes too)."""
+    from export.onnx_files import nodes
+
+    read = {name for node in nodes(graph) for name in node.input} | {value.name for value in graph.output}
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    kept = [node for node in graph.node
+            if any(out in read for out in node.output) or _transposed_initializer(node, initializers) is None]
+    if len(kept) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(kept)
 
 
 def _heads(graph: onnx.GraphProto, linears: list[_Linear]) -> set[str]:

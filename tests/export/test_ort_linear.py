@@ -33,7 +33,7 @@ def graph_with_every_linear() -> onnx.ModelProto:
         helper.make_node("Gemm", ["x", "w_kn"], ["plain_gemm"]),                             # stays: transB 0
         helper.make_node("Gemm", ["x", "w_nk"], ["scaled"], transB=1, alpha=0.5),            # stays: alpha
         helper.make_node("Transpose", ["w_nk"], ["computed"], perm=[1, 0]),
-        helper.make_node("MatMul", ["x", "computed"], ["by_computed"]),                      # stays: not an initializer
+        helper.make_node("MatMul", ["x", "computed"], ["by_computed"]),    # moves: W^T of an initializer (trans_b 1)
         helper.make_node("MatMul", ["x3", "w_batched"], ["batched"]),                        # stays: 3-D weight
         helper.make_node("Cast", ["x"], ["x16"], to=TensorProto.FLOAT16),
         helper.make_node("MatMul", ["x16", "w16"], ["half"]),                                # stays: float16
@@ -62,12 +62,13 @@ def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.nd
 def test_exactly_the_eligible_linears_move_and_compute_the_same() -> None:
     before = graph_with_every_linear()
     model = ir.from_proto(before)
-    assert ort_linear.lower(model) == 3
+    assert ort_linear.lower(model) == 4
     after = ir.to_proto(model)
     ops = Counter(n.op_type for n in after.graph.node)
-    assert ops["PackedLinear"] == 3 and ops["Gemm"] == 3 and ops["MatMul"] == 4
+    assert ops["PackedLinear"] == 4 and ops["Gemm"] == 3 and ops["MatMul"] == 3
+    assert ops["Transpose"] == 0                     # W^T's Transpose had no other reader: gone with its MatMul
     layouts = sorted(a.i for n in after.graph.node if n.op_type == "PackedLinear" for a in n.attribute)
-    assert layouts == [0, 0, 1]
+    assert layouts == [0, 0, 1, 1]
     assert [o.name for o in after.graph.output] == [o.name for o in before.graph.output]
     feeds = {"x": RNG.standard_normal((5, K)).astype(np.float32), "x3": RNG.standard_normal((2, 5, K)).astype(np.float32)}
     want, got = run(before, feeds), run(after, feeds)

@@ -219,6 +219,52 @@ def test_the_ort_graph_optimizer_leaves_a_small_dequantize_for_onnx_runtime_to_f
     assert [n.op_type for n in optimized.graph].count("DequantizeLinear") == 2
 
 
+def _dflash_pair() -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(step, target-only) toys written as the exporter writes DFlash's: the step's drafter reads the target's
+    head W [VOCAB, HIDDEN] as Gemm(transB=1), so its verify head is MatMul(y, Transpose(W)); target_only.onnx
+    has the same head as a folded [HIDDEN, VOCAB] initializer."""
+    step, target_only = _model(), _model()
+    head = _weights((VOCAB, HIDDEN), 3)
+    for model in (step, target_only):
+        model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == "w_head"))
+    target_only.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(head.T), "w_head"))
+    step.graph.initializer.append(numpy_helper.from_array(head, "shared_head"))
+    step.graph.node.insert(0, helper.make_node("Transpose", ["shared_head"], ["w_head"], perm=[1, 0]))
+    step.graph.node.append(helper.make_node("Gemm", ["x", "shared_head"], ["draft_logits"], transB=1, name="draft"))
+    step.graph.output.append(helper.make_tensor_value_info("draft_logits", TensorProto.FLOAT, ["M", VOCAB]))
+    return step, target_only
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_a_step_quantizes_the_target_linears_target_only_does_when_its_head_reads_transpose_w(lm_head: bool) -> None:
+    """Issue 35: the Transpose(W) head was no linear to `_heads`, so the step's last down_proj counted as a
+    head and stayed float while target_only.onnx's was int4; DFlash's verify then disagreed with target-only
+    decoding. Both graphs must quantize the same linears into the same bytes and, on ONNX Runtime (the step
+    as write_ort_graph lowers it), give bit-equal target logits: the step over 8 rows, target-only one row
+    at a time as decoding runs it."""
+    import onnx_ir as ir
+
+    step, target_only = _dflash_pair()
+    settings = QuantizeSettings(bits=4, block_size=32, lm_head=lm_head)
+    assert quantize_graph(step, settings) == (4 if lm_head else 2)      # + the drafter's head, from the same codes
+    assert quantize_graph(target_only, settings) == (3 if lm_head else 2)
+    onnx.checker.check_model(step, full_check=True)
+    down = next(n for n in step.graph.node if n.name == "down")
+    assert down.input[1] != "w_down" and "w_down" not in {t.name for t in step.graph.initializer}
+    assert ("Transpose" in [n.op_type for n in step.graph.node]) != lm_head
+
+    def codes(model: onnx.ModelProto) -> list[bytes]:
+        return sorted(t.raw_data for t in model.graph.initializer if t.data_type == TensorProto.INT4)
+
+    assert codes(step) == codes(target_only) and len(codes(step)) == (3 if lm_head else 2)
+    lowered = ir.from_proto(step)
+    ort_quant.lower(lowered)
+    ids = np.arange(3, VOCAB, 12, dtype=np.int64)                                  # 8 rows
+    verify = _run(ir.to_proto(lowered), {"ids": ids})[0]
+    decoded = np.concatenate([_run(target_only, {"ids": ids[i:i + 1]})[0] for i in range(len(ids))])
+    np.testing.assert_array_equal(verify, decoded)
+
+
 # --- end to end: a tiny Llama 3 + Eagle3 artifact, quantized after export ----------------------------------------
 
 def _ops_once_loaded(path: Path, optimized: Path) -> list[str]:

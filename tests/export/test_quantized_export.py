@@ -10,6 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto
 
+from export.onnx_files import external_info
+from export.target_only import MODEL_NAME as TARGET_ONLY_MODEL
 from runtime import manifest as io
 from tests.export.test_quantize import _ops_once_loaded
 from tests.runtime.artifacts import METHOD_CASES
@@ -49,6 +51,10 @@ def test_int4_speculation_equals_int4_target_only(method: str, tmp_path: Path) -
     dq = [n for n in onnx.load(str(out / io.MODEL_NAME), load_external_data=False).graph.node
           if n.op_type == "DequantizeLinear"]
     assert dq and all({a.name: a.i for a in n.attribute}.get("block_size") == 32 for n in dq)
+    # the step quantized every target linear target-only did, into the same bytes: each int4 tensor of
+    # target_only.onnx is linked to model.onnx.data (issue 35: DFlash's last down_proj stayed float)
+    only = _quantized_tensors(out / TARGET_ONLY_MODEL)
+    assert only and all(external_info(t)[0] == io.WEIGHTS_NAME for t in only), [t.name for t in only]
     for name in (io.ORT_MODEL_NAME, "target_only.ort.onnx"):     # every quantized linear on MLAS
         loaded = _ops_once_loaded(out / name, tmp_path / f"loaded-{name}")
         assert "MatMulNBits" in loaded and "DequantizeLinear" not in loaded, name
