@@ -6,7 +6,8 @@ interrupted or failed export never leaves a half artifact, and what `out_dir` he
 the new artifact is complete, and only when it is an artifact (export/out_dir.py says what may be replaced):
 
   .<name>.tmp-<hex>/                 (next to out_dir)
-      trace/step.onnx                export_step's file, weights inline; removed before the move
+      trace/step.onnx(.data)         export_step's files, the weights copied one at a time (from the
+                                     checkpoint file when unconverted); removed before the move
       model.onnx                     opset 24, IR 10, no weights
       model.onnx.data                every initializer; identical tensors (a drafter's copy of the
                                      target's embedding or head) stored once
@@ -142,7 +143,7 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
             stages.start("trace + export")
             model = _trace(step, tmp / "trace", settings, sources["vocab_size"])
             stages.start("write weights")
-            save_with_external_weights(model, tmp)
+            save_with_external_weights(model, tmp, tmp / "trace")
             del model
             shutil.rmtree(tmp / "trace")
             stages.start("check graph")
@@ -188,7 +189,8 @@ def _build(settings: ExportSettings, target_dir: Path, draft_dir: str | Path | N
 
 
 def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_size: int) -> onnx.ModelProto:
-    """torch.export + ONNX conversion (custom ops and their functions are export_step's business)."""
+    """torch.export + ONNX conversion (custom ops and their functions are export_step's business). The
+    graph comes back without its weights: they stay in `trace_dir`'s data file, read one at a time later."""
     import onnx
     import torch
 
@@ -202,8 +204,12 @@ def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_s
         feeds[name] = feeds[name].to(getattr(torch, settings.dtype))
     trace_dir.mkdir()
     path = export_step(step, trace_dir / "step.onnx", feeds)
-    model = onnx.load(str(path))
+    model = onnx.load(str(path), load_external_data=False)
     if settings.quantize is not None:     # the step and the target-only graph alike: equal bytes, stored once
+        # quantize_graph reads weights as arrays: they are loaded here (the only whole copy an export holds)
+        onnx.load_external_data_for_model(model, str(trace_dir))
+        for tensor in model.graph.initializer:         # inline now: leave no DEFAULT marker behind
+            tensor.ClearField("data_location")
         quantize_graph(model, settings.quantize)
     return model
 
@@ -217,8 +223,9 @@ def _target_only(step: UnifiedStep, tmp: Path, settings: ExportSettings, vocab_s
         return None
     only = TargetOnlyStep.of(step)
     model = _trace(only, tmp / "trace", settings, vocab_size)
+    graph = write_target_only(model, tmp, only, tmp / "trace")
     shutil.rmtree(tmp / "trace")
-    return write_target_only(model, tmp, only)
+    return graph
 
 
 def _check_graph(path: Path, step: UnifiedStep) -> onnx.GraphProto:

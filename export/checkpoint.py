@@ -15,13 +15,22 @@ read, so everything downstream sees plain floating tensors:
   weight  fp8 [R, C]     scale_inv  fp32 [ceil(R/br), ceil(C/bc)]
   out[r, c] = float(weight[r, c]) * scale_inv[r // br, c // bc]
 
+A tensor read in its stored dtype is a zero-copy view of the file's memory map (`torch.frombuffer` over
+a private mapping), so a module built from it holds no copy of its weights; `file_region(tensor)` says
+where such a tensor's bytes lie in the file, so an export can copy them from the file one tensor at a time
+(export/onnx_export.py) instead of through memory. Casts and FP8 dequantization return new tensors.
+
 Pickle files (`*.bin`, `*.pt`, ...) are refused: unpickling runs arbitrary code from the file.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import mmap
+import struct
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -146,6 +155,44 @@ def _open_file(path: Path, key: str | None) -> Any:
                               "or corrupt, re-download it") from None
 
 
+class _Mapped:
+    """One safetensors file mapped privately (copy-on-write: a stray in-place write never reaches the file)."""
+
+    # live mappings, for file_region: base address -> (length, path); an entry goes when its map is freed
+    by_address: dict[int, tuple[int, Path]] = {}
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as file:
+            (header_size,) = struct.unpack("<Q", file.read(8))
+            self.offsets = {k: v["data_offsets"] for k, v in json.loads(file.read(header_size)).items()
+                            if k != "__metadata__"}
+            self.map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.data_start = 8 + header_size
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        _Mapped.by_address[address] = (len(self.map), path)
+        weakref.finalize(self.map, _Mapped.by_address.pop, address, None)
+
+    def view(self, key: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        begin, end = self.offsets[key]
+        count = (end - begin) // dtype.itemsize
+        if count == 0:             # frombuffer refuses empty views
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self.map, dtype=dtype, count=count, offset=self.data_start + begin).view(shape)
+
+
+def file_region(tensor: torch.Tensor) -> tuple[Path, int, int] | None:
+    """(file, offset, length) of a tensor that is a contiguous view of a checkpoint file's map, else None.
+    The file's bytes are the tensor's because checkpoint weights are never written in place (adapters are
+    pure, modules run in eval): a write would land in a private copy-on-write page, not in the file."""
+    if not tensor.is_contiguous() or tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    pointer, length = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    for address, (size, path) in list(_Mapped.by_address.items()):
+        if address <= pointer and pointer + length <= address + size:
+            return path, pointer - address, length
+    return None
+
+
 class _Store:
     """State shared by a checkpoint and its prefix views: key -> file, open handles, cast rules."""
 
@@ -154,6 +201,7 @@ class _Store:
         self.dtype = dtype
         self.fp8_block = fp8_block
         self.handles: dict[Path, Any] = {}
+        self.maps: dict[Path, _Mapped] = {}
         files = _weight_files(root)
         self.files: dict[str, Path] = _read_index(root) if files is None else self._scan(files)
         self.searched = sorted({p.name for p in (files or self.files.values())})
@@ -219,9 +267,14 @@ class _Store:
         return stored
 
     def load(self, key: str) -> torch.Tensor:
-        stored, _ = self.info(key)
-        tensor = self._dequantize(key) if self.is_fp8_quantized(stored) else self.read(key)
+        stored, shape = self.info(key)
         target = self.loaded_dtype(stored)
+        if stored == target:        # no conversion: a view of the map, read from disk only when used
+            path = self.files[key]
+            if path not in self.maps:
+                self.maps[path] = _Mapped(path)
+            return self.maps[path].view(key, stored, shape)
+        tensor = self._dequantize(key) if self.is_fp8_quantized(stored) else self.read(key)
         return tensor if tensor.dtype == target else tensor.to(target)
 
     def _dequantize(self, key: str) -> torch.Tensor:
@@ -311,5 +364,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     __hash__ = object.__hash__
 
     def close(self) -> None:
-        """Drop the open files (and their memory maps); later reads reopen them."""
+        """Drop the open files (and their memory maps); later reads reopen them. A map stays alive while
+        a tensor viewing it does."""
         self._store.handles.clear()
+        self._store.maps.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
@@ -17,6 +18,9 @@ import plugins
 from export.step.base import UnifiedStep
 from export.step.spec_glue import NOISE_CHANNELS
 from runtime import manifest as io
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
 
 OPSET = 24
 
@@ -81,9 +85,55 @@ def dynamic_shapes(names: Sequence[str]) -> tuple[tuple[dict[int, object], ...]]
     return (tuple(shapes),)
 
 
+def save_streamed(model: ir.Model, path: Path) -> None:
+    """`path` (the graph) + `path`.data (every initializer), one tensor at a time, in initializer order.
+
+    A weight that is a view of a checkpoint file's map (export/checkpoint.py file_region) is copied from
+    that file in chunks, so it never becomes resident; any other tensor is written from memory. The
+    initializers then point at their bytes (location, offset, length) and the graph alone is serialized:
+    nothing here holds a second copy of the weights.
+    """
+    import onnx_ir as ir
+
+    from export.checkpoint import file_region
+
+    location = path.name + ".data"
+    with open(path.parent / location, "wb") as data:
+        for value in model.graph.initializers.values():
+            tensor = value.const_value
+            if tensor is None or isinstance(tensor, (ir.ExternalTensor, ir.StringTensor)):
+                continue
+            raw = getattr(tensor, "raw", None)       # torch.onnx's TorchTensor wraps the module's tensor
+            region = file_region(raw) if isinstance(raw, torch.Tensor) else None
+            offset = data.tell()
+            if region is None:
+                data.write(tensor.tobytes())
+            else:
+                copy_region(*region, data)
+            value.const_value = ir.ExternalTensor(location, offset, data.tell() - offset, tensor.dtype,
+                                                  shape=tensor.shape, name=value.name, base_dir=path.parent)
+    ir.save(model, path)
+
+
+def copy_region(source: Path, offset: int, length: int, out: BinaryIO) -> None:
+    """Append `length` bytes of `source` from `offset` to the open file `out`, CHUNK_BYTES at a time."""
+    from export.onnx_files import CHUNK_BYTES
+
+    with open(source, "rb") as file:
+        file.seek(offset)
+        left = length
+        while left:
+            chunk = file.read(min(left, CHUNK_BYTES))
+            if not chunk:
+                raise OSError(f"{source} ended {left} bytes early (it changed during the export)")
+            out.write(chunk)
+            left -= len(chunk)
+
+
 def export_module(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: str | Path, *,
                   input_names: Sequence[str], output_names: Sequence[str], dynamic_shapes: object) -> Path:
-    """Export any module that may call unispec custom ops (opset 24, IR 10) and save it at `path`.
+    """Export any module that may call unispec custom ops (opset 24, IR 10) and save it at `path`, its
+    initializers in `path`.data (save_streamed).
 
     Custom ops (plugins/) become single `unispec` nodes; their reference functions are attached after the
     export, because the exporter inlines every function it is given (DESIGN.md §4).
@@ -93,7 +143,7 @@ def export_module(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path:
                                 dynamic_shapes=dynamic_shapes, verbose=False,
                                 custom_translation_table=plugins.custom_translation_table())
     plugins.attach_functions_ir(program.model)
-    program.save(str(path))
+    save_streamed(program.model, Path(path))
     return Path(path)
 
 

@@ -27,6 +27,7 @@ IR_VERSION = 10
 PLUGIN_DOMAIN = "unispec"
 EXTERNAL_MIN_BYTES = 1024     # below this only weights go external: scalars, axes, shapes stay inline
 STACK_TRACE_KEY = "pkg.torch.onnx.stack_trace"
+CHUNK_BYTES = 64 * 2**20      # a weight is hashed / copied this much at a time
 
 # ONNX TensorProto element types -> the names runtime.manifest.DTYPES uses.
 ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 7: "int64", 6: "int32", 9: "bool"}
@@ -60,59 +61,151 @@ def quiet_exporter() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def save_with_external_weights(model: onnx.ModelProto, out: Path) -> None:
-    """model.onnx + model.onnx.data holding the weights, each distinct tensor once."""
+def save_with_external_weights(model: onnx.ModelProto, out: Path, source_dir: Path | None = None) -> None:
+    """model.onnx + model.onnx.data holding the weights, each distinct tensor once.
+
+    `model` may keep its tensors in external files under `source_dir` (a trace loaded without its data):
+    they are hashed and copied one at a time (write_weights), never all loaded.
+    """
     import onnx
 
     if model.ir_version != IR_VERSION or opset_of(model) != OPSET:
         raise ExportError(f"the exporter produced IR {model.ir_version} / opset {opset_of(model)}; unispec "
                           f"artifacts need IR {IR_VERSION} / opset {OPSET} (check the torch/onnx versions)")
-    dedupe_initializers(model.graph)
-    move_weights_out(model.graph, io.WEIGHTS_NAME)
+    dedupe_initializers(model.graph, source_dir=source_dir)
+    write_weights(model.graph, out, io.WEIGHTS_NAME, source_dir)
     for node in nodes(model.graph):                  # source paths of the exporting machine: bulk, no use
         kept = [p for p in node.metadata_props if p.key != STACK_TRACE_KEY]
         if len(kept) != len(node.metadata_props):
             del node.metadata_props[:]
             node.metadata_props.extend(kept)
-    onnx.save_model(model, str(out / io.MODEL_NAME))      # writes the external tensors next to it, in order
+    onnx.save_model(model, str(out / io.MODEL_NAME))     # the graph alone: every weight is in place already
     weights = out / io.WEIGHTS_NAME
-    if weights.is_file():                             # onnx creates it 0600; give it model.onnx's mode
+    if weights.is_file():                             # give the data model.onnx's mode
         weights.chmod((out / io.MODEL_NAME).stat().st_mode & 0o777)
 
 
-def move_weights_out(graph: onnx.GraphProto, location: str) -> None:
-    """Mark every weight (floating, more than one element) and every tensor >= 1 KiB as external data.
+def is_external_weight(tensor: onnx.TensorProto) -> bool:
+    """What goes to the weights file: every weight (floating, more than one element) and every tensor
+    >= 1 KiB. Scalars and small integer tensors (axes, shapes, indices) stay inline: shape inference and
+    TensorRT's parser need their values while building, and they weigh nothing."""
+    weight = tensor.data_type in _FLOATING and math.prod(tensor.dims) > 1
+    return weight or tensor_size(tensor) >= EXTERNAL_MIN_BYTES
 
-    Scalars and small integer tensors (axes, shapes, indices) stay inline: shape inference and TensorRT's
-    parser need their values while building, and they weigh nothing.
-    """
+
+def write_weights(graph: onnx.GraphProto, out: Path, location: str, source_dir: Path | None = None,
+                  skip: frozenset[str] = frozenset()) -> None:
+    """Append every external weight (is_external_weight) of `graph`, in initializer order, to
+    `out`/`location` and point the tensor there; the small rest is made inline raw bytes. Tensors named
+    in `skip` are already placed. Byte for byte what onnx.save_model writes for tensors marked external
+    (in order, no padding), without holding more than CHUNK_BYTES of them."""
     from onnx import numpy_helper
-    from onnx.external_data_helper import set_external_data
 
-    for tensor in graph.initializer:
-        if not tensor.HasField("raw_data"):                # typed fields -> raw bytes, which external data needs
-            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
-        weight = tensor.data_type in _FLOATING and math.prod(tensor.dims) > 1
-        if weight or len(tensor.raw_data) >= EXTERNAL_MIN_BYTES:
-            set_external_data(tensor, location)
+    data = None
+    try:
+        for tensor in graph.initializer:
+            if tensor.name in skip:
+                continue
+            if not is_external(tensor) and not tensor.HasField("raw_data"):   # typed fields -> raw bytes
+                tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
+            if not is_external_weight(tensor):
+                if is_external(tensor):
+                    raw = b"".join(tensor_chunks(tensor, source_dir))
+                    tensor.ClearField("external_data")
+                    tensor.ClearField("data_location")
+                    tensor.raw_data = raw
+                continue
+            data = data or open(out / location, "wb")  # noqa: SIM115 (closed below, created only when used)
+            offset = data.tell()
+            for chunk in tensor_chunks(tensor, source_dir):
+                data.write(chunk)
+            point_at(tensor, location, offset, data.tell() - offset)
+    finally:
+        if data is not None:
+            data.close()
 
 
-def dedupe_initializers(graph: onnx.GraphProto, min_bytes: int = EXTERNAL_MIN_BYTES) -> int:
+def point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Make `tensor` external at (location, offset, length), as onnx's set_external_data writes it."""
+    from onnx import TensorProto
+
+    tensor.ClearField("raw_data")
+    del tensor.external_data[:]
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, str(value)
+
+
+def is_external(tensor: onnx.TensorProto) -> bool:
+    from onnx import TensorProto
+
+    return tensor.data_location == TensorProto.EXTERNAL
+
+
+def external_info(tensor: onnx.TensorProto) -> tuple[str, int, int]:
+    """(location, offset, length) of an external tensor."""
+    info = {e.key: e.value for e in tensor.external_data}
+    return info["location"], int(info.get("offset", 0)), int(info["length"])
+
+
+def tensor_size(tensor: onnx.TensorProto) -> int:
+    """Bytes of a tensor's data, without reading external data."""
+    from onnx import numpy_helper
+
+    if is_external(tensor):
+        return external_info(tensor)[2]
+    if tensor.HasField("raw_data"):
+        return len(tensor.raw_data)
+    return numpy_helper.to_array(tensor).nbytes
+
+
+def tensor_chunks(tensor: onnx.TensorProto, source_dir: Path | None) -> Iterator[bytes]:
+    """A tensor's raw bytes, from its external file under `source_dir` CHUNK_BYTES at a time."""
+    from onnx import numpy_helper
+
+    if not is_external(tensor):
+        yield tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
+        return
+    location, offset, length = external_info(tensor)
+    assert source_dir is not None, f"tensor {tensor.name} is external but no source directory was given"
+    with open(source_dir / location, "rb") as file:
+        file.seek(offset)
+        while length:
+            chunk = file.read(min(length, CHUNK_BYTES))
+            if not chunk:
+                raise ExportError(f"{source_dir / location} ends before tensor '{tensor.name}' does; the "
+                                  "trace was truncated (is the disk full?)")
+            yield chunk
+            length -= len(chunk)
+
+
+def tensor_digest(tensor: onnx.TensorProto, source_dir: Path | None) -> bytes:
+    """sha256 of a tensor's raw bytes, read a chunk at a time."""
+    digest = hashlib.sha256()
+    for chunk in tensor_chunks(tensor, source_dir):
+        digest.update(chunk)
+    return digest.digest()
+
+
+def dedupe_initializers(graph: onnx.GraphProto, min_bytes: int = EXTERNAL_MIN_BYTES,
+                        source_dir: Path | None = None) -> int:
     """Keep one of each set of initializers with equal dtype, shape and bytes; returns how many went.
 
     A drafter that holds the same Parameter as the target is exported once already; one that loaded its
-    own copy of the target's embedding or head (same bytes, another name) is folded here.
+    own copy of the target's embedding or head (same bytes, another name) is folded here. Only tensors
+    whose dtype and shape another one shares are hashed (external ones read from `source_dir`).
     """
-    from onnx import numpy_helper
-
+    big = [t for t in graph.initializer if tensor_size(t) >= min_bytes]
+    shapes: dict[tuple[int, tuple[int, ...]], int] = {}
+    for tensor in big:
+        shapes[tensor.data_type, tuple(tensor.dims)] = shapes.get((tensor.data_type, tuple(tensor.dims)), 0) + 1
     first: dict[tuple[int, tuple[int, ...], bytes], str] = {}
     renamed: dict[str, str] = {}
-    for index in range(len(graph.initializer)):
-        tensor = graph.initializer[index]
-        data = tensor.raw_data or numpy_helper.to_array(tensor).tobytes()
-        if len(data) < min_bytes:
+    for tensor in big:
+        if shapes[tensor.data_type, tuple(tensor.dims)] < 2:
             continue
-        key = (tensor.data_type, tuple(tensor.dims), hashlib.sha256(data).digest())
+        key = (tensor.data_type, tuple(tensor.dims), tensor_digest(tensor, source_dir))
         if key in first:
             renamed[tensor.name] = first[key]
         else:

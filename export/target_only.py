@@ -16,11 +16,19 @@ No weight is stored twice: the artifact grows by the graph files only.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from export.onnx_files import move_weights_out, tensor_specs, write_ort_graph
+from export.onnx_files import (
+    external_info,
+    is_external,
+    is_external_weight,
+    point_at,
+    tensor_digest,
+    tensor_specs,
+    write_ort_graph,
+    write_weights,
+)
 from runtime import manifest as io
 
 if TYPE_CHECKING:
@@ -35,12 +43,13 @@ ORT_MODEL_NAME = "target_only.ort.onnx"
 TensorKey = tuple[int, tuple[int, ...], bytes]      # (ONNX dtype, dims, sha256 of the bytes)
 
 
-def write_target_only(model: onnx.ModelProto, out: Path, only: UnifiedStep) -> io.TargetOnlyGraph:
-    """Save the traced target-only `model` in the artifact directory `out` (model.onnx already there)."""
+def write_target_only(model: onnx.ModelProto, out: Path, only: UnifiedStep, source_dir: Path | None = None) -> io.TargetOnlyGraph:
+    """Save the traced target-only `model` (its tensors inline, or external under `source_dir`) in the
+    artifact directory `out` (model.onnx already there)."""
     import onnx
 
-    move_weights_out(model.graph, WEIGHTS_NAME)              # then re-pointed where model.onnx has them
-    link_weights(model, out)
+    linked = link_weights(model, out, source_dir)
+    write_weights(model.graph, out, WEIGHTS_NAME, source_dir, skip=linked)     # the few the step lacks
     onnx.save_model(model, str(out / MODEL_NAME))
     onnx.checker.check_model(str(out / MODEL_NAME), full_check=True)
     graph = onnx.load(str(out / MODEL_NAME), load_external_data=False).graph
@@ -51,22 +60,21 @@ def write_target_only(model: onnx.ModelProto, out: Path, only: UnifiedStep) -> i
                               inputs=tensor_specs(graph.input), outputs=tensor_specs(graph.output))
 
 
-def link_weights(model: onnx.ModelProto, out: Path) -> int:
-    """Point every initializer of `model` equal to one of model.onnx (dtype, shape, bytes) at that tensor's
-    bytes in model.onnx.data; returns how many were linked."""
-    from onnx.external_data_helper import set_external_data
-
+def link_weights(model: onnx.ModelProto, out: Path, source_dir: Path | None = None) -> frozenset[str]:
+    """Point every weight of `model` equal to one of model.onnx (dtype, shape, bytes) at that tensor's
+    bytes in model.onnx.data; returns the names linked. Only tensors whose dtype and shape model.onnx
+    has are hashed, one at a time (external ones read from `source_dir`)."""
     shared = _external_tensors(out)
-    linked = 0
+    shapes = {key[:2] for key in shared}
+    linked = set()
     for tensor in model.graph.initializer:
-        if not tensor.HasField("raw_data"):
+        if not is_external_weight(tensor) or (tensor.data_type, tuple(tensor.dims)) not in shapes:
             continue
-        found = shared.get(_key(tensor.data_type, tuple(tensor.dims), tensor.raw_data))
+        found = shared.get((tensor.data_type, tuple(tensor.dims), tensor_digest(tensor, source_dir)))
         if found is not None:
-            set_external_data(tensor, io.WEIGHTS_NAME, offset=found[0], length=found[1])
-            tensor.ClearField("raw_data")             # saving writes only tensors that still hold bytes
-            linked += 1
-    return linked
+            point_at(tensor, io.WEIGHTS_NAME, *found)
+            linked.add(tensor.name)
+    return frozenset(linked)
 
 
 def _external_tensors(out: Path) -> dict[TensorKey, tuple[int, int]]:
@@ -75,19 +83,11 @@ def _external_tensors(out: Path) -> dict[TensorKey, tuple[int, int]]:
 
     graph = onnx.load(str(out / io.MODEL_NAME), load_external_data=False).graph
     found: dict[TensorKey, tuple[int, int]] = {}
-    with open(out / io.WEIGHTS_NAME, "rb") as data:
-        for tensor in graph.initializer:
-            info = {e.key: e.value for e in tensor.external_data}
-            if info.get("location") != io.WEIGHTS_NAME:
-                continue
-            offset, length = int(info.get("offset", 0)), int(info["length"])
-            data.seek(offset)
-            found.setdefault(_key(tensor.data_type, tuple(tensor.dims), data.read(length)), (offset, length))
+    for tensor in graph.initializer:
+        if is_external(tensor) and external_info(tensor)[0] == io.WEIGHTS_NAME:
+            key = (tensor.data_type, tuple(tensor.dims), tensor_digest(tensor, out))
+            found.setdefault(key, external_info(tensor)[1:])
     return found
-
-
-def _key(data_type: int, dims: tuple[int, ...], raw: bytes) -> TensorKey:
-    return data_type, dims, hashlib.sha256(raw).digest()
 
 
 __all__ = ["MODEL_NAME", "ORT_MODEL_NAME", "WEIGHTS_NAME", "link_weights", "write_target_only"]
