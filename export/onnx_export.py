@@ -96,12 +96,15 @@ def save_streamed(model: ir.Model, path: Path) -> None:
     import onnx_ir as ir
 
     from export.checkpoint import file_region
+    from export.onnx_files import EXTERNAL_MIN_BYTES
 
     location = path.name + ".data"
     with open(path.parent / location, "wb") as data:
         for value in model.graph.initializers.values():
             tensor = value.const_value
             if tensor is None or isinstance(tensor, (ir.ExternalTensor, ir.StringTensor)):
+                continue
+            if tensor.nbytes < EXTERNAL_MIN_BYTES:   # shape constants stay inline: ONNX shape inference reads them
                 continue
             raw = getattr(tensor, "raw", None)       # torch.onnx's TorchTensor wraps the module's tensor
             region = file_region(raw) if isinstance(raw, torch.Tensor) else None

@@ -107,7 +107,7 @@ def test_build_engine_reuses_and_rewrites_the_timing_cache(tmp_path: Path, monke
     """TensorRT faked: what build_engine passes in, and what it writes from the result."""
     seen = {}
 
-    def fake_build(model, manifest, recipe, shapes, timing_cache=b"", *, flavour, targets):
+    def fake_build(model, manifest, recipe, shapes, timing_cache=b"", *, flavour, targets, progress=None):
         seen.update(model=model, recipe=recipe, shapes=shapes, cache=timing_cache, flavour=flavour, targets=targets)
         return BuildResult(plan=b"ENGINE", timing_cache=timing_cache + b"+new", tensorrt_version="11.4.0",
                            plugin_ops=("PagedAttention",), plugin_layers=3, network_flags=(),
