@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from runtime.pool_layout import PoolLayout, committed_slots, segment_slots, slot_runs, write_committed
 
-MAX_BLOCKS = 12
+MAX_BLOCKS = 16      # room for the largest draw (9 new + 4 accepted) at block_size 1
 
 
 @st.composite
