@@ -83,7 +83,7 @@ test-all: install
 	$(PY) -m pytest -q
 
 # The trt_build group alone: every method's tiny artifact built into a TensorRT-RTX engine, CPU-only
-# (float16 and float32; a few minutes). `make test` runs its quick structured-output build.
+# (float16 and float32; a few minutes), structured output included. Engine builds are `slow`: not in `make test`.
 test-trt: install
 	$(PY) -m pytest -q -m trt_build tests/engines
 

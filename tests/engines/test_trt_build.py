@@ -54,6 +54,7 @@ def build_and_check(artifact: Path) -> dict:
     return assert_built(artifact, build_engine(artifact, flavour="tensorrt-rtx"))
 
 
+@pytest.mark.slow      # a minute-long engine build: `make test-all` / `make test-trt`
 def test_a_structured_output_artifact_builds_cpu_only_and_reuses_its_timing_cache(tiny_artifact_of,
                                                                                    tmp_path: Path) -> None:
     artifact = tiny_artifact_of(*FAST_CASE)

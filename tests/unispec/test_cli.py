@@ -46,6 +46,7 @@ def test_facade_reports_unlanded_api() -> None:
         unispec.does_not_exist  # noqa: B018
 
 
+@pytest.mark.slow      # two exports of the bundled pair (`make demo` runs the same)
 def test_demo_runs_the_bundled_pair_and_checks_losslessness(tmp_path) -> None:
     """`make demo`'s command: bundled Llama 3 + DFlash exported, generated on ORT, equal to target-only,
     and the artifacts are reused by a second run."""
