@@ -53,18 +53,11 @@ def lower(model: ir.Model) -> int:
 
 def _layout(node: ir.Node) -> int | None:
     """PackedLinear's trans_b for this node (1: W is [N, K], 0: [K, N]), or None when it stays as it is."""
-    import onnx_ir as ir
 
     if node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[0] is None:
         return None
     x, weight = node.inputs[0], node.inputs[1]
-    # an initializer that is also a graph input can be fed at run time: ONNX Runtime does not hand it to
-    # the kernel as a constant, so it stays with Gemm / MatMul
-    if weight is None or not weight.is_initializer() or weight.is_graph_input() or weight.graph is not node.graph:
-        return None
-    if x.dtype != ir.DataType.FLOAT or weight.dtype != ir.DataType.FLOAT or weight.shape is None:
-        return None
-    if len(weight.shape) != 2 or not all(isinstance(d, int) and d > 0 for d in weight.shape):
+    if not _packable(node, weight):
         return None
     if node.op_type == "MatMul":
         return 0
@@ -81,16 +74,24 @@ def _transposed_weight(node: ir.Node) -> ir.Node | None:
     """The Transpose when `node` is MatMul(x, Transpose(W)) of a 2-D float32 weight W (a drafter reusing the
     target's head writes the target's logits so): PackedLinear(x, W, trans_b=1) is the same product, and the
     same kernel as the target-only graph's head, so both graphs compute the logits bit for bit alike."""
-    import onnx_ir as ir
-
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[0] is None:
         return None
     source = node.inputs[1].producer() if node.inputs[1] is not None else None
     if source is None or source.op_type != "Transpose" or source.domain not in ("", "ai.onnx"):
         return None
-    weight = source.inputs[0]
-    if (list(source.attributes.get_ints("perm", [1, 0])) != [1, 0] or weight is None or not weight.is_initializer()
-            or weight.is_graph_input() or weight.graph is not node.graph or node.inputs[0].dtype != ir.DataType.FLOAT
-            or weight.dtype != ir.DataType.FLOAT or weight.shape is None or len(weight.shape) != 2):
+    if list(source.attributes.get_ints("perm", [1, 0])) != [1, 0] or not _packable(node, source.inputs[0]):
         return None
     return source
+
+
+def _packable(node: ir.Node, weight: ir.Value | None) -> bool:
+    """Whether PackedLinear can take `weight` for `node`: a float32 2-D initializer of the node's own graph
+    multiplied by a float32 input. An initializer that is also a graph input can be fed at run time: ONNX
+    Runtime does not hand it to the kernel as a constant, so it stays with Gemm / MatMul."""
+    import onnx_ir as ir
+
+    if weight is None or not weight.is_initializer() or weight.is_graph_input() or weight.graph is not node.graph:
+        return False
+    if node.inputs[0].dtype != ir.DataType.FLOAT or weight.dtype != ir.DataType.FLOAT or weight.shape is None:
+        return False
+    return len(weight.shape) == 2 and all(isinstance(d, int) and d > 0 for d in weight.shape)
