@@ -26,10 +26,11 @@ __all__ = ["compare", "run"]
 @click.option("--prompt-ids", default=None, help="Comma-separated prompt token ids (artifacts without a tokenizer).")
 @click.option("--backend", type=click.Choice(("ort", "trt")), default="ort", show_default=True)
 @click.option("--max-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
-@click.option("--min-p", type=float, default=0.0, show_default=True, help="0 = off.")
+@click.option("--temperature", type=float, default=None,
+              help="0 = greedy. [default: the artifact's generation_config.json, else 0]")
+@click.option("--top-k", type=int, default=None, help="0 = off. [default: generation_config.json, else 0]")
+@click.option("--top-p", type=float, default=None, help="1 = off. [default: generation_config.json, else 1]")
+@click.option("--min-p", type=float, default=None, help="0 = off. [default: generation_config.json, else 0]")
 @click.option("--seed", type=int, default=None, help="Seed of the request's noise stream (reproducible sampling).")
 @click.option("--json-schema", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Constrain the output to the JSON schema in this file (needs --structured-output at export).")
@@ -51,13 +52,17 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
-    params = SamplingParams(json_schema=read_text(json_schema, "--json-schema") if json_schema else None, **sampling)
+    given = {name: value for name, value in sampling.items() if value is not None}
+    schema = read_text(json_schema, "--json-schema") if json_schema else None
+    SamplingParams(json_schema=schema, **given)           # a bad flag fails here, before the model loads
     try:
         request = [int(t) for t in prompt_ids.split(",")] if prompt_ids is not None else prompt
     except ValueError:
         raise click.BadParameter(f"{prompt_ids!r} is not a comma-separated list of ints",
                                  param_hint="--prompt-ids") from None
     llm = LLM(artifact_dir, backend=backend, speculation=speculation)
+    # a flag left out takes the model creator's generation_config.json value (as vLLM does), else greedy
+    params = SamplingParams(json_schema=schema, **{"temperature": 0.0, **llm.sampling_defaults, **given})
     if isinstance(request, str) and chat and llm.tokenizer is not None and llm.tokenizer.chat_template:
         request = [{"role": "user", "content": request}]
     stream = llm.stream(request, params)

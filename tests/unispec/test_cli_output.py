@@ -136,3 +136,28 @@ def test_run_json_is_one_document_and_q_drops_the_summary(artifact: Path) -> Non
     ids = " ".join(map(str, document["token_ids"]))
     assert plain.stdout.startswith(ids) and "5 tokens in" in plain.stdout
     assert quiet.stdout.strip() == ids
+
+
+def test_run_takes_generation_config_defaults_and_flags_override_them(artifact: Path, tmp_path: Path) -> None:
+    """As vLLM does: a sampling flag left out takes the artifact's generation_config.json value."""
+    import shutil
+
+    from runtime.llm import LLM
+    from runtime.sampling_params import SamplingParams
+
+    copy = tmp_path / "art"
+    shutil.copytree(artifact, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"temperature": 5.0, "top_k": 50}))
+    argv = ["run", str(copy), "--prompt-ids", "5,6,7", "--max-tokens", "12", "--seed", "3", "--json"]
+
+    def tokens(*flags: str) -> list[int]:
+        result = CliRunner().invoke(main, [*argv, *flags])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["token_ids"]
+
+    llm = LLM(copy)
+    sampled = llm.generate([[5, 6, 7]], SamplingParams(temperature=5.0, top_k=50, seed=3, max_tokens=12))[0]
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=12))[0]
+    assert sampled.token_ids != greedy.token_ids          # temperature 5 over the tiny vocabulary: not greedy
+    assert tokens() == sampled.token_ids
+    assert tokens("--temperature", "0") == greedy.token_ids
