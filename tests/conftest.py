@@ -5,8 +5,12 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.runtime.artifacts import TinyArtifact
 
 
 def _has_cuda() -> bool:
@@ -48,16 +52,29 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_artifact_of(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
-    """(case of tests/runtime/artifacts.py, export dtype) -> its artifact directory, exported once per session
-    and shared: the engine builds (tests/engines/test_trt_build.py) and the float16 runtime tests use the same."""
+def _tiny_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], TinyArtifact]:
+    """(case of tests/runtime/artifacts.py, export dtype) -> its artifact, exported once per session. Every
+    fixture below reads this one cache: an export costs seconds to minutes, a test that reuses one nothing."""
     from tests.runtime.artifacts import make_artifact
 
-    made: dict[tuple[str, str], Path] = {}
+    made: dict[tuple[str, str], TinyArtifact] = {}
 
-    def get(case: str, dtype: str) -> Path:
+    def get(case: str, dtype: str = "float32") -> TinyArtifact:
         if (case, dtype) not in made:
-            made[case, dtype] = make_artifact(case, tmp_path_factory.mktemp(f"{case}-{dtype}"), dtype=dtype).path
+            made[case, dtype] = make_artifact(case, tmp_path_factory.mktemp(f"{case}-{dtype}"), dtype=dtype)
         return made[case, dtype]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact_of(_tiny_artifacts: Callable[[str, str], TinyArtifact]) -> Callable[[str, str], Path]:
+    """(case, export dtype) -> its artifact directory: the engine builds (tests/engines/test_trt_build.py), the
+    float16 runtime tests and the CLI tests share them with the runtime tests."""
+    return lambda case, dtype: _tiny_artifacts(case, dtype).path
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(_tiny_artifacts: Callable[[str, str], TinyArtifact]) -> Callable[[str], TinyArtifact]:
+    """case name (tests.runtime.artifacts.CASES) -> its float32 artifact and torch step."""
+    return lambda case: _tiny_artifacts(case, "float32")
