@@ -31,6 +31,8 @@ import onnxscript
 import torch
 from onnx.defs import OpSchema
 
+from plugins import function_cache
+
 DOMAIN = "unispec"
 DOMAIN_VERSION = 1
 PLUGIN_VERSION = "1"
@@ -204,7 +206,8 @@ def _node_dtypes(node: ir.Node, spec: PluginSpec) -> tuple[ir.DataType | None, .
 
 def reference_function(spec: PluginSpec, attributes: Mapping[str, Any], dtypes: tuple[ir.DataType | None, ...],
                        opset: int = OPSET) -> onnx.FunctionProto:
-    """The reference decomposition for one attribute set and dtype set (cached per process; a copy)."""
+    """The reference decomposition for one attribute set and dtype set (a copy; cached per process and on
+    disk, plugins/function_cache.py)."""
     cached = _reference_function(spec, tuple(attributes.items()), dtypes, opset)
     proto = onnx.FunctionProto()
     proto.CopyFrom(cached)
@@ -214,8 +217,11 @@ def reference_function(spec: PluginSpec, attributes: Mapping[str, Any], dtypes: 
 @functools.cache
 def _reference_function(spec: PluginSpec, attributes: tuple[tuple[str, Any], ...],
                         dtypes: tuple[ir.DataType | None, ...], opset: int) -> onnx.FunctionProto:
-    model = export_reference(spec, dict(attributes), dtypes, opset)
-    return graph_to_function(model, spec.op_type, overload_name(dict(attributes), dtypes))
+    def make() -> onnx.FunctionProto:
+        model = export_reference(spec, dict(attributes), dtypes, opset)
+        return graph_to_function(model, spec.op_type, overload_name(dict(attributes), dtypes))
+
+    return function_cache.cached(function_cache.key(spec.op_type, dict(attributes), dtypes, opset), make)
 
 
 class _Bound(torch.nn.Module):
