@@ -10,7 +10,8 @@ Layouts understood, first match wins (repos often ship extra copies, e.g. `conso
   *.safetensors (no index)      ->  every file, keys must not repeat (draft heads ship like this)
 
 DeepSeek block-FP8 checkpoints (`quantization_config.quant_method == "fp8"`) are dequantized as they are
-read, so everything downstream sees plain floating tensors:
+read, so everything downstream sees plain floating tensors; each such tensor is remembered (export/fp8.py),
+so a module that loaded it can put the FP8 codes back for the export (`keep_fp8`):
 
   weight  fp8 [R, C]     scale_inv  fp32 [ceil(R/br), ceil(C/bc)]
   out[r, c] = float(weight[r, c]) * scale_inv[r // br, c // bc]
@@ -39,6 +40,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from export.config import HFFields, check, read_config_json
+from export.fp8 import Fp8Weight, remember
 from export.hub import resolve_checkpoint
 from runtime.errors import CheckpointError
 
@@ -274,11 +276,15 @@ class _Store:
             if path not in self.maps:
                 self.maps[path] = _Mapped(path)
             return self.maps[path].view(key, stored, shape)
-        tensor = self._dequantize(key) if self.is_fp8_quantized(stored) else self.read(key)
-        return tensor if tensor.dtype == target else tensor.to(target)
+        if not self.is_fp8_quantized(stored):
+            tensor = self.read(key)
+            return tensor if tensor.dtype == target else tensor.to(target)
+        origin = self._fp8_origin(key)
+        tensor = dequantize_fp8_blocks(origin.codes, origin.scale_inv, origin.block)
+        return remember(tensor if tensor.dtype == target else tensor.to(target), origin)   # export/fp8.py
 
-    def _dequantize(self, key: str) -> torch.Tensor:
-        """FP8 weight times its block scales; a missing or misshapen scale names the weight's key."""
+    def _fp8_origin(self, key: str) -> Fp8Weight:
+        """An FP8 weight and its block scales as stored; a missing or misshapen scale names the weight's key."""
         assert self.fp8_block is not None
         scale_key = key + SCALE_SUFFIX
         path = self.files[key]
@@ -292,7 +298,7 @@ class _Store:
             raise CheckpointError(f"{path}: FP8 tensor '{key}' {list(shape)} needs a 2-D weight and "
                                   f"'{scale_key}' of shape {list(want)} for block {list(self.fp8_block)}, "
                                   f"got {list(scale_shape)}; check weight_block_size in config.json")
-        return dequantize_fp8_blocks(self.read(key), self.read(scale_key), self.fp8_block)
+        return Fp8Weight(key, path, self.read(key), self.read(scale_key), self.fp8_block)
 
 
 class Checkpoint(Mapping[str, torch.Tensor]):

@@ -24,11 +24,16 @@ from export.archs.deepseek_v3.config import DeepseekV3Config
 from export.archs.deepseek_v3.mla import DeepseekRope, MultiLatentAttention, RMSNorm
 from export.archs.deepseek_v3.moe import DeepseekMoE, SiluMLP
 from export.archs.deepseek_v3.weights import adapt_target
+from export.fp8 import keep_fp8
 from runtime import manifest as io
 from runtime.errors import ExportError
 
 if TYPE_CHECKING:
     from typing import Self
+
+
+def _keep_fp8_after_load(module: nn.Module, _incompatible: object) -> None:
+    keep_fp8(module)
 
 
 class DeepseekV3Block(nn.Module):
@@ -41,6 +46,9 @@ class DeepseekV3Block(nn.Module):
         self.self_attn = MultiLatentAttention(config.mla, absorb=absorb)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.mlp = DeepseekMoE(config.moe, h) if moe else SiluMLP(h, config.intermediate_size)
+        # a block-FP8 checkpoint's projections and experts go back to FP8 codes once loaded (export/fp8.py);
+        # per block, so the MTP / NextN drafter's block (loaded by its own module) gets it too
+        self.register_load_state_dict_post_hook(_keep_fp8_after_load)
 
     def forward(
         self,

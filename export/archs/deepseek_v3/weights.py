@@ -5,7 +5,7 @@ On disk (official checkpoints and transformers 5 `save_pretrained` alike) expert
 `mlp.experts.{gate,up,down}_proj` [E, ...]. transformers' in-memory fused layout
 (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) is accepted too.
 Block-fp8 checkpoints are dequantized by `export.checkpoint.Checkpoint` as tensors are read, so adapters
-only ever see floating tensors.
+only ever see floating tensors; the modules put the FP8 codes back once loaded (export/fp8.py keep_fp8).
 The target adapter reads layers 0 .. num_hidden_layers-1 only: `model.layers.{num_hidden_layers}.*` is the
 MTP layer, read by the MTP draft with `adapt_block` (it is the same block under another prefix).
 """
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from export import fp8
 from export.archs.deepseek_v3.config import DeepseekV3Config
 from export.weights import Shape, remap, take
 
@@ -67,9 +68,11 @@ def _experts(source: Mapping[str, torch.Tensor], config: DeepseekV3Config, prefi
         return {"mlp.experts.gate_proj": gate_up[:, :i], "mlp.experts.up_proj": gate_up[:, i:],
                 "mlp.experts.down_proj": down}
     shapes = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-    return {f"mlp.experts.{p}": torch.stack([
-        take(source, f"{prefix}.mlp.experts.{x}.{p}.weight", shape, where=where) for x in range(e)])
-        for p, shape in shapes.items()}
+    out = {}
+    for p, shape in shapes.items():
+        parts = [take(source, f"{prefix}.mlp.experts.{x}.{p}.weight", shape, where=where) for x in range(e)]
+        out[f"mlp.experts.{p}"] = fp8.stacked(parts, torch.stack(parts))     # FP8 experts stay FP8 (export/fp8.py)
+    return out
 
 
 def adapt_block(source: Mapping[str, torch.Tensor], config: DeepseekV3Config, prefix: str, *, moe: bool,

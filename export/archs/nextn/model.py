@@ -31,6 +31,7 @@ from export.archs.deepseek_v3.mla import DeepseekRope, RMSNorm
 from export.archs.deepseek_v3.model import DeepseekV3Block, DeepseekV3Target
 from export.archs.nextn.config import NextNConfig
 from export.archs.nextn.weights import adapt_nextn, check_shared_head, mtp_prefix
+from export.fp8 import keep_fp8
 from export.step.sequential import DraftBatch, PagedDrafter, SequentialStep
 from runtime import manifest as io
 from runtime.errors import ExportError
@@ -69,6 +70,7 @@ class NextNDrafter(PagedDrafter):
         with torch.device("meta"):
             model = cls(config, target)
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        keep_fp8(model)    # while `state` holds the loaded tensors: block-FP8 eh_proj stays FP8 (export/fp8.py)
         # Only the shared modules' tensors come from elsewhere (the target, already loaded).
         assert not unexpected and all(key.split(".")[0] in SHARED for key in missing), (missing, unexpected)
         return model.eval()
