@@ -31,13 +31,14 @@ def write_llama(out: Path, num_layers: int) -> Path:
 
 def timed_export(target: Path, out: Path, method: str) -> dict[str, float]:
     """Seconds per export stage, read off the progress hook."""
-    from export import artifact, progress
+    from export import progress
+    from unispec import exporting
 
     marks: list[tuple[str, float]] = []
     start = progress.Stages.start
     progress.Stages.start = lambda self, stage: (marks.append((stage, time.perf_counter())), start(self, stage))[1]
     try:
-        artifact.export_model(target, method=method, num_speculative_tokens=1, out_dir=out, progress=False)
+        exporting.export_model(target, method=method, num_speculative_tokens=1, out_dir=out, progress=False)
     finally:
         progress.Stages.start = start
     end = time.perf_counter()

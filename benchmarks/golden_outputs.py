@@ -54,7 +54,7 @@ def resolve(name: str | None, ckpt: Path) -> Path | None:
 
 
 def export_once(name: str, work: Path, tag: str) -> Path:
-    from export.artifact import export_model
+    from unispec.exporting import export_model
 
     target, draft, method, k = PAIRS[name]
     out = work / "artifacts" / tag / name

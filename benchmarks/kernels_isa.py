@@ -2,7 +2,11 @@
 ONNX Runtime op(s) it replaces, at the bundled models' shape and at realistic ones, one intra-op thread.
 
     UNISPEC_ORT_CPU_ISA=avx2 .venv/bin/python benchmarks/kernels_isa.py [--shapes bundled,h1024,1b]
-        [--kernels linear,attention,verdict,draft] [--repeats 15] [--also avx512] [--json OUT]
+        [--kernels linear,attention,verdict,draft] [--rows 1,8] [--repeats 15] [--also avx512] [--json OUT]
+
+The table behind plugins/ort_cpu/choice.py (which kernels each variant runs) came from
+    UNISPEC_ORT_CPU_ISA=avx2 ... --also avx512 --shapes bundled --rows 1,2,3,4,5,6,7,8
+    UNISPEC_ORT_CPU_ISA=avx2 ... --also avx512 --shapes l3-1b,h1024 --rows 1,4
 
 Kernel               | ONNX Runtime's op(s) it replaces (what model.onnx runs)
 PackedLinear         | Gemm(transB=1) (MLAS, its weight prepacked): a chain of one decoder layer's linears
@@ -53,6 +57,7 @@ GEOMETRIES = {   # bundled: models/llama3; h1024 and 1b: benchmarks/realistic_sh
     "bundled": Geometry(hidden=128, intermediate=384, heads=4, kv_heads=2, layers=8, vocab=1024),
     "h1024": Geometry(hidden=1024, intermediate=2816, heads=16, kv_heads=4, layers=2, vocab=32000),
     "1b": Geometry(hidden=2048, intermediate=5632, heads=32, kv_heads=8, layers=1, vocab=32000),
+    "l3-1b": Geometry(hidden=2048, intermediate=8192, heads=32, kv_heads=8, layers=1, vocab=128256),   # Llama 3.2 1B
 }
 CONTEXT, BLOCK, DRAFTS = 256, 16, 7
 
@@ -289,7 +294,7 @@ def report(cases: list[Case], isa: str) -> list[dict[str, Any]]:
     return rows
 
 
-def build_cases(shapes: list[str], kernels: list[str]) -> list[Case]:
+def build_cases(shapes: list[str], kernels: list[str], rows: list[int]) -> list[Case]:
     exported: dict[str, bytes] = {}     # the ORT-side models exported by torch, one per kernel (dims dynamic)
     by_vocab = {GEOMETRIES[n].vocab: n for n in reversed(shapes)}      # the sampling kernels: per vocabulary
     cases: list[Case] = []
@@ -297,9 +302,9 @@ def build_cases(shapes: list[str], kernels: list[str]) -> list[Case]:
         for name in shapes:
             g = GEOMETRIES[name]
             if kernel == "linear":
-                cases += [linear_case(name, g, rows) for rows in (1, DRAFTS + 1)]
+                cases += [linear_case(name, g, m) for m in rows]
             elif kernel == "attention":
-                cases += [attention_case(name, g, tokens, exported) for tokens in (1, DRAFTS + 1)]
+                cases += [attention_case(name, g, tokens, exported) for tokens in rows]
             elif by_vocab[g.vocab] == name and kernel == "verdict":
                 cases += [verdict_case(g, sampled, exported) for sampled in (False, True)]
             elif by_vocab[g.vocab] == name and kernel == "draft":
@@ -313,6 +318,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="bundled,h1024,1b", help=f"comma-separated, of {', '.join(GEOMETRIES)}")
     parser.add_argument("--kernels", default="linear,attention,verdict,draft")
+    parser.add_argument("--rows", default=f"1,{DRAFTS + 1}", help="rows (tokens) of the linear and attention cases")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--inner", type=int, default=5, help="runs per engine per repeat")
     parser.add_argument("--also", default="", help="other variants to time in this process, e.g. avx512")
@@ -324,7 +330,7 @@ def main() -> int:
         parser.error(f"unknown shape or kernel: {', '.join(unknown)}")
     libraries = {ort_cpu.isa(): ort_cpu.library_path()}
     libraries.update((v, ort_cpu.library_path(v)) for v in filter(None, args.also.split(",")) if v not in libraries)
-    cases = build_cases(shapes, kernels)
+    cases = build_cases(shapes, kernels, [int(m) for m in args.rows.split(",")])
     for case in cases:
         measure(case, libraries, args.repeats, args.inner)
     rows = report(cases, ort_cpu.isa())

@@ -1,8 +1,8 @@
 """Benchmark (not a test): unispec.cpu::PackedLinear (plugins/ort_cpu/matmul.cc) against ONNX Runtime's own
 Gemm (MLAS) on the linear layers of the realistic shapes, per row count.
 
-    .venv/bin/python benchmarks/packed_linear.py [--shapes 1b,h1024] [--rows 1,2,4,8,16,64,256]
-        [--threads 1] [--repeats 15] [--json OUT]
+    [UNISPEC_ORT_CPU_ISA=avx2] .venv/bin/python benchmarks/packed_linear.py [--shapes 1b,h1024,l3-1b,bundled]
+        [--rows 1,2,4,8,16,64,256] [--threads 1] [--repeats 15] [--json OUT]
 
 Each weight ([N, K] float32, random) is one single-node model per engine, `Gemm(x, W, transB=1)` as the
 exporter writes nn.Linear, or `PackedLinear(x, W, trans_b=1)` as model.ort.onnx runs it, its weight in an
@@ -34,6 +34,10 @@ SHAPES = {
               ("lm_head", 32000, 1024)],
     "1b": [("q_proj", 2048, 2048), ("kv_proj", 512, 2048), ("gate_up", 5632, 2048), ("down", 2048, 5632),
            ("lm_head", 32000, 2048)],
+    # Llama 3.2 1B's layer (its 128k-row head, 1 GB in float32, left out) and the bundled models/llama3
+    "l3-1b": [("q_proj", 2048, 2048), ("kv_proj", 512, 2048), ("gate_up", 8192, 2048), ("down", 2048, 8192)],
+    "bundled": [("q_proj", 128, 128), ("kv_proj", 64, 128), ("gate_up", 384, 128), ("down", 128, 384),
+                ("lm_head", 1024, 128)],
 }
 COPIES = 3
 

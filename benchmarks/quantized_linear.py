@@ -1,4 +1,4 @@
-"""Benchmark (not a test): the quantized linear layer's CPU forms (export/quantize.py, export/ort_quant.py)
+"""Benchmark (not a test): the quantized linear layer's CPU forms (export/quantize.py, engines/ort/quant.py)
 against the float32 ones, per weight shape and row count, on ONNX Runtime.
 
     .venv/bin/python benchmarks/quantized_linear.py [--shapes h1024,1b] [--rows 1,4,8] [--blocks 32,64,128]
@@ -8,7 +8,7 @@ Engines, each a one-node model over a random [N, K] weight held in an external f
   fp32          MatMul(x, W [K, N]) float32 (MLAS SGEMM)
   packed        unispec.cpu::PackedLinear(x, W, trans_b=1) float32 (plugins/ort_cpu/matmul.cc)
   dq4-bB        DequantizeLinear(int4 [K, N], axis 0, block B) + MatMul as model.onnx has it; ONNX Runtime fuses
-                it into MatMulNBits at the session's default accuracy level (export/ort_quant.py)
+                it into MatMulNBits at the session's default accuracy level (engines/ort/quant.py)
   nbitsX-aL-bB  com.microsoft MatMulNBits, X bits, accuracy_level L (0: float32 math, 4: int8 activations)
 All in one process with one intra-op thread; per repeat every engine runs once, in turn, each on the next of
 `--copies` copies of its model so a run does not find its weights in cache from its previous run. Figures are
@@ -59,7 +59,7 @@ def model_proto(engine: str, w: np.ndarray):  # noqa: ANN201 - onnx.ModelProto, 
     import onnx_ir as ir
     from onnx import TensorProto, helper, numpy_helper
 
-    from export import ort_quant
+    from engines.ort import quant as ort_quant
     from export.quantize import QuantizeSettings, quantize_graph
     from plugins import ort_cpu
 

@@ -11,10 +11,13 @@ the new artifact is complete, and only when it is an artifact (export/out_dir.py
       model.onnx                     opset 24, IR 10, no weights
       model.onnx.data                every initializer; identical tensors (a drafter's copy of the
                                      target's embedding or head) stored once
-      target_only.onnx, .ort.onnx    speculative methods: the target-only graph (export/target_only.py),
+      target_only.onnx               speculative methods: the target-only graph (export/target_only.py),
                                      its weights linked into model.onnx.data
-      manifest.json                  runtime.manifest.Manifest
+      manifest.json                  runtime.manifest.Manifest; its graph map names the portable graphs
       tokenizer.json, ...            copied from the target checkpoint when present
+      (backend graphs)               what each of `lowerings` (an engines/<backend> build, handed down by
+                                     unispec/exporting.py) derives from the portable graphs and records
+                                     in the graph map; export itself writes portable graphs only
 
 The graph-file work (external weights, shared tensors, TensorSpecs) lives in export/onnx_files.py.
 """
@@ -26,6 +29,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -38,11 +42,11 @@ from export.onnx_files import (
     quiet_exporter,
     save_with_external_weights,
     tensor_specs,
-    write_ort_graph,
 )
 from export.out_dir import plan_out_dir, staging
 from export.progress import Stages
 from export.quantize import DEFAULT_BLOCK_SIZE, QuantizeSettings, quantize_graph, quantize_settings
+from export.target_only import MODEL_NAME as TARGET_ONLY_NAME
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ConfigError, ExportError
 from runtime.manifest import Manifest, PoolSpec, TensorSpec, TokenizerInfo
@@ -73,6 +77,7 @@ class ExportSettings:
     max_tokens_per_step: int = 512
     target_only: bool = True             # speculative methods: also write the target-only graph
     quantize: QuantizeSettings | None = None   # weight-only int4 / int8 of the linears (export/quantize.py)
+    max_logprobs: int = io.DEFAULT_MAX_LOGPROBS   # N of the log-probability outputs; 0: none
 
     def __post_init__(self) -> None:
         if self.dtype not in (*WEIGHT_DTYPES, "auto"):
@@ -80,7 +85,8 @@ class ExportSettings:
         bounds = [("--block-size", self.block_size, 1, io.MAX_BLOCK_SIZE),
                   ("--max-model-len", self.max_model_len, 2, io.MAX_MODEL_LEN),
                   ("--max-batch-size", self.max_batch_size, 1, io.MAX_BATCH_SIZE),
-                  ("--max-tokens-per-step", self.max_tokens_per_step, 1, io.MAX_TOKENS_PER_STEP)]
+                  ("--max-tokens-per-step", self.max_tokens_per_step, 1, io.MAX_TOKENS_PER_STEP),
+                  ("--max-logprobs", self.max_logprobs, 0, io.MAX_LOGPROBS)]
         if self.method != "none" and self.num_speculative_tokens is not None:
             # `none` ignores K; K >= 1 is checked with the method, a K read from a checkpoint after building
             bounds.append(("--num-speculative-tokens", self.num_speculative_tokens, -sys.maxsize,
@@ -110,7 +116,9 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
                  structured_output: bool = False, block_size: int = 16, max_model_len: int = 2048,
                  max_batch_size: int = 16, max_tokens_per_step: int = 512, target_only: bool = True,
                  quantize: str = "none", quant_block: int = DEFAULT_BLOCK_SIZE, quantize_lm_head: bool = False,
-                 progress: bool | Literal["bar", "lines"] | None = None, force: bool = False) -> Path:
+                 max_logprobs: int = io.DEFAULT_MAX_LOGPROBS,
+                 progress: bool | Literal["bar", "lines"] | None = None, force: bool = False,
+                 lowerings: Sequence[Callable[[Path], Sequence[str]]] = ()) -> Path:
     """Export a target (+ draft) checkpoint as the artifact directory `out_dir`; returns its path.
     `dtype` "auto" exports in the dtype the target's config.json names (export/config.py checkpoint_dtype).
 
@@ -119,13 +127,17 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
     seconds), None / True a bar on a terminal and lines elsewhere, False nothing. The exporter's own log
     lines and warnings are kept off the output (export/onnx_files.py quiet_exporter).
     `target_only` (speculative methods) adds the graph that lets the runtime decode without drafts.
+    `max_logprobs` N: the graphs also output the target's top-N log-probabilities per emitted token (0: not).
     `out_dir` may hold an earlier artifact (replaced); anything else is refused unless `force`, which
-    writes the artifact's files into it and keeps every other file (export/out_dir.py).
+    writes the artifact's files into it and keeps every other file (export/out_dir.py). `lowerings` run on
+    the finished artifact before it is moved into place (each an engines/<backend> `build`: artifact dir ->
+    files written; `unispec.export_model` passes the registered ones), so they are part of its atomicity.
     """
     settings = ExportSettings(method=method, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
                               structured_output=structured_output, block_size=block_size,
                               max_model_len=max_model_len, max_batch_size=max_batch_size,
                               max_tokens_per_step=max_tokens_per_step, target_only=target_only,
+                              max_logprobs=max_logprobs,
                               quantize=quantize_settings(quantize, quant_block, quantize_lm_head))
     # flags are checked first, then the checkpoints found (a hub id through the Hugging Face cache, export/hub.py)
     target_dir = resolve_checkpoint(target_dir)
@@ -148,7 +160,6 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
             shutil.rmtree(tmp / "trace")
             stages.start("check graph")
             graph = _check_graph(tmp / io.MODEL_NAME, step)
-            write_ort_graph(tmp, io.ORT_MODEL_NAME)
             if step.k and settings.target_only:         # no line for a stage that does nothing
                 stages.start("target-only graph")
             only = _target_only(step, tmp, settings, sources["vocab_size"])
@@ -156,6 +167,10 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
             tokenizer = _copy_tokenizer(target_dir, sources["config"], tmp)
             _manifest(graph, step, settings, sources, tokenizer, tmp, only).write(tmp)
             Manifest.load(tmp)                       # the runtime must be able to read what we wrote
+            if lowerings:
+                stages.start("backend graphs")
+            for lower in lowerings:
+                lower(tmp)
     return out
 
 
@@ -185,6 +200,10 @@ def _build(settings: ExportSettings, target_dir: Path, draft_dir: str | Path | N
         raise ExportError(f"method {settings.method}: K = {step.k} (from {draft_dir}) is above unispec's limit of "
                           f"{io.max_speculative_tokens(settings.method)}; use a drafter with a smaller block")
     step.structured_output = settings.structured_output
+    if settings.max_logprobs > step.vocab_size:
+        raise ExportError(f"--max-logprobs {settings.max_logprobs} is above the vocabulary size {step.vocab_size}; "
+                          "lower it")
+    step.max_logprobs = settings.max_logprobs
     return step.eval()
 
 
@@ -258,6 +277,7 @@ def _pools(inputs: tuple[TensorSpec, ...], step: UnifiedStep) -> tuple[PoolSpec,
 
 def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSettings, sources: dict[str, Any],
               tokenizer: TokenizerInfo, out: Path, target_only: io.TargetOnlyGraph | None) -> Manifest:
+    from export import fp8
     from plugins.spec_accept.acceptance import NOISE_CHANNELS
 
     inputs = tensor_specs(graph.input)
@@ -266,13 +286,16 @@ def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSetting
         draft_arch=sources["draft_arch"], vocab_size=sources["vocab_size"], dtype=settings.dtype,
         block_size=settings.block_size, max_model_len=settings.max_model_len,
         max_batch_size=settings.max_batch_size, max_tokens_per_step=settings.max_tokens_per_step,
-        noise_channels=NOISE_CHANNELS, structured_output=step.structured_output, pools=_pools(inputs, step),
+        noise_channels=NOISE_CHANNELS, structured_output=step.structured_output, max_logprobs=step.max_logprobs,
+        pools=_pools(inputs, step),
         inputs=inputs, outputs=tensor_specs(graph.output), ops=plugin_ops(graph),
         weights_file=io.WEIGHTS_NAME if (out / io.WEIGHTS_NAME).is_file() else None,
-        ort_model_file=io.ORT_MODEL_NAME if (out / io.ORT_MODEL_NAME).is_file() else None,
+        graphs={io.STEP: {io.PORTABLE: io.MODEL_NAME},
+                **({io.TARGET_ONLY: {io.PORTABLE: TARGET_ONLY_NAME}} if target_only is not None else {})},
         tokenizer=tokenizer, exporter=exporter_versions(), target_checkpoint=sources["target_checkpoint"],
         draft_checkpoint=sources["draft_checkpoint"], target_only=target_only,
-        quantization=settings.quantize.manifest_entry() if settings.quantize is not None else None)
+        quantization=(settings.quantize.manifest_entry() if settings.quantize is not None
+                      else fp8.manifest_entry(graph)))    # checkpoint FP8 kept, or None
 
 
 def exporter_versions() -> dict[str, str]:

@@ -259,32 +259,3 @@ def op_counts(graph: onnx.GraphProto) -> dict[str, int]:
         key = f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
         counts[key] = counts.get(key, 0) + 1
     return counts
-
-
-def write_ort_graph(out: Path, name: str, source: str = io.MODEL_NAME) -> None:
-    """`name` beside `source` (model.onnx): its custom-op functions inlined and the graph optimized
-    (onnxscript), for ONNX Runtime. ORT would inline the functions itself but cannot fold their shape
-    arithmetic once they are inlined; this removes ~10% of the nodes a step runs. SpecAccept's body is its
-    lazy reference (plugins/spec_accept/reference.py: no unpacking of an all-allowed bitmask, no relaxed
-    verdict when no row is thinking), or, for float32 logits, it and SampleDraft run native kernels
-    (export/ort_sampling.py). Attention that reads a float32 pool first becomes unispec's in-place
-    CPU kernel (export/ort_lowering.py), RoPE and a few reshaping round trips are fused
-    (export/ort_fusions.py), and the linear layers run unispec's packed GEMM (export/ort_linear.py). The
-    weights stay in the external files (referenced, not copied)."""
-    import onnx
-    import onnx_ir as ir
-    import onnxscript.optimizer
-
-    import plugins
-    from export import ort_fusions, ort_linear, ort_lowering, ort_quant, ort_sampling
-
-    model = ir.load(out / source)
-    ort_sampling.lower(model)
-    plugins.attach_ort_functions(model)
-    ort_lowering.lower(model, ort_lowering.find_pool_reads(onnx.load(str(out / source), load_external_data=False)))
-    ort_fusions.fuse(model)
-    with quiet_exporter():
-        onnxscript.optimizer.optimize_ir(model)
-    ort_quant.lower(model)      # DQ + MatMul that ONNX Runtime would not fuse into MatMulNBits itself
-    ort_linear.lower(model)
-    ir.save(model, out / name)

@@ -10,10 +10,10 @@ from typing import Literal
 __all__ = ["STAGES", "STAGES_DONE", "Stages"]
 
 STAGES = ("read checkpoints", "build step", "trace + export", "write weights", "check graph", "target-only graph",
-          "write manifest")
+          "write manifest", "backend graphs")
 # what each stage's line says once it is done (progress "lines": logs, pipes, `unispec -v export`)
-STAGES_DONE = ("read checkpoints", "built step", "traced step graph", "wrote weights", "checked graph, ORT graph",
-               "target-only graphs", "wrote manifest")
+STAGES_DONE = ("read checkpoints", "built step", "traced step graph", "wrote weights", "checked graph",
+               "target-only graphs", "wrote manifest", "backend graphs")
 
 
 class Stages:

@@ -11,7 +11,7 @@ x [..., K] ───────────────────────
 ```
 
 - Always the K-major `[K, N]` MatMul form, a Gemm's transposed weight included: it is the form ONNX Runtime
-  fuses into its MLAS kernel (com.microsoft MatMulNBits) when it loads the graph (export/ort_quant.py), and a
+  fuses into its MLAS kernel (com.microsoft MatMulNBits) when it loads the graph (engines/ort/quant.py), and a
   2-D Gemm without bias is the same product. The scales have the graph's float dtype (DQ's output dtype).
 - Symmetric, no zero point: TensorRT's dequantize takes no non-zero zero point, and the codes map exactly onto
   MatMulNBits' unsigned codes with its default zero point 2^(bits-1): uint4 q + 8, uint8 q + 128. int4 uses
@@ -27,7 +27,8 @@ x [..., K] ───────────────────────
   equal inputs and then fails to compile sibling MatMuls (q/k/v, gate/up: one input) whose merged DQs
   another sibling group also reads ("Unexpected exception vector::_M_range_check: __n (which is 1) >=
   this->size() (which is 0)"), whatever the bits, block size, axis or scale dtype. ONNX Runtime's
-  optimizers drop the Identity, so model.ort.onnx is unchanged (tests/engines/test_quantized_build.py).
+  optimizers drop the Identity, so the ORT lowering (engines/ort) is unchanged
+  (tests/engines/test_quantized_build.py).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ target-only before that row speculates again (runtime/speculation.py).
 ```
 step ─ TargetOnlyStep.of ─▶ trace (K = 0) ─▶ initializers equal to one in model.onnx ──▶ model.onnx.data
                                          └─▶ the others (few, small)               ──▶ target_only.onnx.data
-target_only.onnx ─ write_ort_graph ─▶ target_only.ort.onnx (same external files, referenced)
 ```
+Backends derive their own graphs from target_only.onnx afterwards (engines/<backend>, Manifest.graphs).
 No weight is stored twice: the artifact grows by the graph files only.
 """
 
@@ -26,7 +26,6 @@ from export.onnx_files import (
     point_at,
     tensor_digest,
     tensor_specs,
-    write_ort_graph,
     write_weights,
 )
 from runtime import manifest as io
@@ -38,14 +37,14 @@ if TYPE_CHECKING:
 
 MODEL_NAME = "target_only.onnx"
 WEIGHTS_NAME = "target_only.onnx.data"
-ORT_MODEL_NAME = "target_only.ort.onnx"
 
 TensorKey = tuple[int, tuple[int, ...], bytes]      # (ONNX dtype, dims, sha256 of the bytes)
 
 
 def write_target_only(model: onnx.ModelProto, out: Path, only: UnifiedStep, source_dir: Path | None = None) -> io.TargetOnlyGraph:
     """Save the traced target-only `model` (its tensors inline, or external under `source_dir`) in the
-    artifact directory `out` (model.onnx already there)."""
+    artifact directory `out` (model.onnx already there) as MODEL_NAME: the manifest's
+    graphs[TARGET_ONLY][PORTABLE]."""
     import onnx
 
     linked = link_weights(model, out, source_dir)
@@ -55,9 +54,7 @@ def write_target_only(model: onnx.ModelProto, out: Path, only: UnifiedStep, sour
     graph = onnx.load(str(out / MODEL_NAME), load_external_data=False).graph
     assert [v.name for v in graph.input] == list(only.input_names), "target-only inputs out of contract order"
     assert [v.name for v in graph.output] == list(only.output_names), "target-only outputs out of contract order"
-    write_ort_graph(out, ORT_MODEL_NAME, source=MODEL_NAME)
-    return io.TargetOnlyGraph(model_file=MODEL_NAME, ort_model_file=ORT_MODEL_NAME,
-                              inputs=tensor_specs(graph.input), outputs=tensor_specs(graph.output))
+    return io.TargetOnlyGraph(inputs=tensor_specs(graph.input), outputs=tensor_specs(graph.output))
 
 
 def link_weights(model: onnx.ModelProto, out: Path, source_dir: Path | None = None) -> frozenset[str]:
@@ -90,4 +87,4 @@ def _external_tensors(out: Path) -> dict[TensorKey, tuple[int, int]]:
     return found
 
 
-__all__ = ["MODEL_NAME", "ORT_MODEL_NAME", "WEIGHTS_NAME", "link_weights", "write_target_only"]
+__all__ = ["MODEL_NAME", "WEIGHTS_NAME", "link_weights", "write_target_only"]

@@ -60,6 +60,7 @@ class TorchBackend:
         self.step = build_step(manifest.method, target_dir, draft_dir, k=manifest.num_speculative_tokens,
                                dtype=dtype).eval()
         self.step.structured_output = manifest.structured_output
+        self.step.max_logprobs = manifest.max_logprobs
         _check_matches(self.step, manifest, f"--target {target_dir}" + (f" --draft {draft_dir}" if draft_dir else ""))
         by_name = {t.name: t for t in manifest.inputs}
         layouts = [PoolLayout(num_blocks=num_blocks, layers=p.num_layers, block_size=manifest.block_size,
@@ -79,6 +80,14 @@ class TorchBackend:
         tensors = {s.name: torch.from_numpy(np.ascontiguousarray(feeds[s.name])) for s in self._step_specs}
         outputs = self.step.run({**tensors, **self._pools})
         return {name: to_numpy(value.contiguous()) for name, value in outputs.items()}
+
+    has_target_only = False          # the reference rebuilds the step alone: every step speculates
+
+    def target_only_input_specs(self) -> tuple[io.TensorSpec, ...]:
+        return ()
+
+    def run_target_only(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise UnispecError("the torch reference runs the speculative step only; use speculation 'always'")
 
     def commit(self, outputs: Mapping[str, np.ndarray], slots: np.ndarray, rows: np.ndarray) -> None:
         """For every pool: pool[slots // block_size, :, slots % block_size] = its delta[rows]."""

@@ -28,7 +28,7 @@ from typing import Any
 from runtime.errors import InvalidRequestError
 from runtime.llm import LLM, Prompt, Stream
 from runtime.sampling_params import SamplingParams
-from runtime.sequence import RequestOutput
+from runtime.sequence import RequestOutput, TokenLogprobs
 
 __all__ = ["AsyncLLM", "AsyncStream", "Delta"]
 
@@ -41,6 +41,8 @@ class Delta:
     text: str = ""                                    # new final text ("" without a tokenizer)
     token_ids: list[int] = field(default_factory=list)   # tokens committed since the previous delta
     output: RequestOutput | None = None               # the completion's whole output, on its last delta
+    # one entry per token of token_ids when SamplingParams.logprobs is set (runtime/sequence.py), else None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class AsyncLLM:
@@ -144,10 +146,11 @@ class AsyncStream:
         with self._locks[i]:
             item = next(self._iters[i], None)
             ids = self._streams[i].token_ids
+        logprobs = self._streams[i].logprobs(self._sent[i], len(ids))
         new_ids, self._sent[i] = ids[self._sent[i]:], len(ids)
         if item is None:
-            return Delta(i, "", new_ids, self._streams[i].output)
-        return Delta(i, item if isinstance(item, str) else "", new_ids)
+            return Delta(i, "", new_ids, self._streams[i].output, logprobs)
+        return Delta(i, item if isinstance(item, str) else "", new_ids, logprobs=logprobs)
 
     def close(self) -> None:
         """Cancel what has not finished (on a worker thread: cancelling takes the LLM's lock) and free the

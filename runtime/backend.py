@@ -8,9 +8,10 @@ pools); after a step it commits the accepted rows of the deltas into the pools w
                                           |
                   commit(outputs, slots, rows): pool[slot // bs, :, slot % bs] = delta[row]
 
-A backend may also offer the artifact's target-only graph (adaptive speculation, runtime/speculation.py):
-`has_target_only` true, `target_only_input_specs()` and `run_target_only(feeds)` over the same pools (ORT
-does; the engine treats a backend without them as speculating every step).
+Every backend also answers for the artifact's target-only graph (adaptive speculation,
+runtime/speculation.py): `has_target_only`, and when it is true `target_only_input_specs()` and
+`run_target_only(feeds)` over the same pools (ORT runs it; a backend that does not says false, and the
+engine then speculates every step).
 
 `PersistentInputBuffers` holds one flat host buffer per per-step input, sized once from the manifest's
 bounds (max batch, max tokens per step, max blocks per row); a step's feed is a contiguous prefix view
@@ -60,6 +61,19 @@ class Backend(Protocol):
 
     def commit(self, outputs: Mapping[str, np.ndarray], slots: np.ndarray, rows: np.ndarray) -> None:
         """For every pool: pool[slots // block_size, :, slots % block_size] = its delta[rows]."""
+        ...
+
+    @property
+    def has_target_only(self) -> bool:
+        """Whether `run_target_only` runs the artifact's target-only graph (manifest.target_only)."""
+        ...
+
+    def target_only_input_specs(self) -> tuple[io.TensorSpec, ...]:
+        """The per-step inputs `run_target_only` expects; () without a target-only graph."""
+        ...
+
+    def run_target_only(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One step of the target-only graph (K = 0); outputs valid until the next run of either graph."""
         ...
 
 

@@ -32,8 +32,16 @@ from runtime.errors import InvalidRequestError
 from runtime.noise import RequestNoise
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Plan, Scheduler
-from runtime.sequence import RequestMetrics, RequestOutput, SequenceState, validate_prompt
+from runtime.sequence import (
+    RequestMetrics,
+    RequestOutput,
+    SequenceState,
+    TokenLogprobs,
+    token_logprobs,
+    validate_prompt,
+)
 from runtime.speculation import SPECULATIVE, TARGET_ONLY, SpeculationPolicy
+from runtime.speculation_record import RecordFile
 from runtime.step_feeds import StepFeeds
 from runtime.structured import GrammarCompiler, RequestGrammar, check_structured_support
 
@@ -85,7 +93,9 @@ class Engine:
     def __init__(self, backend: Backend, *, eos_token_ids: Sequence[int] = (), detokenize: Detokenize | None = None,
                  prefill_chunk: int | None = None, max_model_len: int | None = None,
                  grammars: GrammarCompiler | None = None, listener: Listener | None = None,
-                 speculation: str = "auto") -> None:
+                 speculation: str = "auto", record: RecordFile | None = None) -> None:
+        """`record`: where `speculation="auto"` starts from what earlier engines on this artifact learned and
+        leaves what this one learns, each time it runs out of requests (runtime/speculation_record.py)."""
         m = self.manifest = backend.manifest
         self.backend, self.k = backend, m.num_speculative_tokens
         self.eos_token_ids, self.detokenize = frozenset(eos_token_ids), detokenize
@@ -99,8 +109,10 @@ class Engine:
         self.feeds = StepFeeds(m, specs, self.blocks)
         self.buffers = self.feeds.buffers
         self._input_names = frozenset(s.name for s in specs)
-        has_target_only = bool(getattr(backend, "has_target_only", False))
-        self.policy = SpeculationPolicy(speculation, k=self.k, has_target_only=has_target_only)
+        has_target_only = backend.has_target_only
+        self.policy = SpeculationPolicy(speculation, k=self.k, has_target_only=has_target_only,
+                                        known=record.load() if record is not None else None)
+        self._record = record if self.policy.adaptive else None
         only = frozenset(s.name for s in backend.target_only_input_specs()) if has_target_only else frozenset()
         # a `none` artifact (K = 0) runs its one graph for "target-only" steps
         self._names = {SPECULATIVE: self._input_names, TARGET_ONLY: only if self.k else self._input_names}
@@ -139,6 +151,8 @@ class Engine:
         grammar = self.grammars.matcher(params) if params.structured else None
         if params.relaxed_thinking:
             self._check_thinking_support()
+        if params.logprobs is not None:
+            self._check_logprobs_support(params.logprobs)
         return CheckedRequest([int(t) for t in prompt], params, max_new, grammar)
 
     def _check_thinking_support(self) -> None:
@@ -149,6 +163,17 @@ class Engine:
         if tok.think_start_id is None or tok.think_end_id is None:
             raise InvalidRequestError("SamplingParams.relaxed_thinking needs the tokenizer's <think> and </think> "
                                       "tokens, which this artifact's manifest does not name; leave it False")
+
+    def _check_logprobs_support(self, k: int) -> None:
+        most = self.manifest.max_logprobs
+        if not most:
+            raise InvalidRequestError(f"SamplingParams.logprobs={k}: this artifact's graphs output no "
+                                      "log-probabilities (exported with --max-logprobs 0, or before unispec had "
+                                      "them); re-export it with `unispec export --max-logprobs N`, or leave it None")
+        if k > most:
+            raise InvalidRequestError(f"SamplingParams.logprobs={k} is above this artifact's max_logprobs of {most}; "
+                                      f"ask for at most {most}, or re-export with a larger `unispec export "
+                                      f"--max-logprobs` (at most {io.MAX_LOGPROBS})")
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
                     request_id: Hashable | None = None, *, stream: bool = False) -> Hashable:
@@ -168,9 +193,16 @@ class Engine:
             stop_ids=params.stop_token_ids | (frozenset() if params.ignore_eos else self.eos_token_ids),
             think_ids=(tok.think_start_id, tok.think_end_id) if params.relaxed_thinking else None,
             grammar=request.grammar, stream=stream,
-            text=IncrementalText(self.detokenize, params.stop_strings) if wants_text else None)
+            text=IncrementalText(self.detokenize, params.stop_strings) if wants_text else None,
+            logprobs=None if params.logprobs is None else [])
         self.scheduler.add(seq)
         return request_id
+
+    def logprobs_of(self, request_id: Hashable) -> list[TokenLogprobs] | None:
+        """The request's log-probability entries, one per generated token, as the engine appends them (the
+        list itself: an entry is appended before its token reaches the listener); None when not collected."""
+        seq = self.scheduler.find(request_id)
+        return None if seq is None else seq.logprobs
 
     def abort(self, request_id: Hashable) -> RequestOutput | None:
         """Cancel a request wherever it is; its blocks go back to the pool. None if it is not here."""
@@ -225,6 +257,8 @@ class Engine:
         t.host_cpu_s += time.process_time() - started_cpu - graph_cpu_s
         if kind == TARGET_ONLY:
             t.target_only_steps, t.target_only_s = t.target_only_steps + 1, t.target_only_s + step_s
+        if finished and self._record is not None and not self.scheduler.has_unfinished():
+            self._record.save(self.policy.learned())         # idle: the next engine starts from here
         return finished
 
     def _next_rows(self) -> list[SequenceState]:
@@ -267,12 +301,27 @@ class Engine:
             seq.drafts = next_drafts[i] if k else None               # target-only steps propose none
             seq.draft_probs = None if next_probs is None else next_probs[i]
             added = self._append(seq, new)
+            if seq.logprobs is not None:
+                self._collect_logprobs(seq, outputs, i, len(added))
             if seq.finish_reason is not None:
                 finished.append(self._finish(seq, added))
             elif self.listener is not None:
                 text = seq.text.take_visible() if seq.stream and seq.text is not None else ""
                 self.listener(seq.request_id, added, text, None)
         return finished, verified
+
+    def _collect_logprobs(self, seq: SequenceState, outputs: dict[str, np.ndarray], row: int, count: int) -> None:
+        """Entries of the `count` tokens the row just added: positions 0 .. count - 1 of its K + 1 (drafts,
+        then next_token), read from the graph's log-probability outputs."""
+        emitted = outputs[io.EMITTED_LOGPROBS][row, :count].tolist()                     # [count]
+        ranks = outputs[io.EMITTED_RANKS][row, :count].tolist()
+        top = outputs[io.TOP_LOGPROBS][row, :count].tolist()                             # [count][N]
+        top_ids = outputs[io.TOP_LOGPROB_IDS][row, :count].tolist()
+        tokens = seq.generated[len(seq.generated) - count:]
+        for j, token in enumerate(tokens):
+            seq.logprobs.append(token_logprobs(token, emitted[j], ranks[j], top[j], top_ids[j], seq.params.logprobs,
+                                               self.detokenize))
+            seq.cumulative_logprob += emitted[j]
 
     # --- stopping -----------------------------------------------------------------------------------------
 
@@ -296,9 +345,12 @@ class Engine:
 
     def _finish(self, seq: SequenceState, added: list[int]) -> RequestOutput:
         self.scheduler.remove(seq)
+        collected = seq.logprobs is not None
         output = RequestOutput(request_id=seq.request_id, prompt_token_ids=seq.prompt,
                                token_ids=list(seq.generated), text=self.text_of(seq),
-                               finish_reason=seq.finish_reason or "length", metrics=seq.metrics(self.k))
+                               finish_reason=seq.finish_reason or "length", metrics=seq.metrics(self.k),
+                               logprobs=list(seq.logprobs) if collected else None,
+                               cumulative_logprob=seq.cumulative_logprob if collected else None)
         if self.listener is not None:
             self.listener(seq.request_id, added, "", output)
         return output

@@ -41,7 +41,8 @@ from runtime.errors import ArtifactError, InvalidRequestError, UnispecError
 from runtime.generation_config import sampling_defaults
 from runtime.manifest import Manifest
 from runtime.sampling_params import SamplingParams
-from runtime.sequence import validate_prompt
+from runtime.sequence import TokenLogprobs, validate_prompt
+from runtime.speculation_record import RecordFile
 from runtime.structured import GrammarCompiler
 from runtime.tokenizer import TOKENIZER_FILE, TextTokenizer
 
@@ -61,6 +62,9 @@ class _Tracker:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)      # a stream's text deltas, final as they arrive
     output: RequestOutput | None = None
+    # the engine's own list of the request's log-probability entries (SamplingParams.logprobs), at least as
+    # long as token_ids at any moment; None when not collected
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class _Trackers(dict):
@@ -86,7 +90,9 @@ class LLM:
         `max_model_len` may lower the artifact's; `prefill_chunk` caps the tokens a prompt feeds per step;
         `step_memory_bytes` (default 8 GiB) bounds the persistent step buffers the artifact's sizes ask for.
         `speculation`: "auto" runs each step speculatively or target-only, whichever its measurements say
-        is faster (artifacts with a target-only graph); "always" / "never" force one (runtime/speculation.py).
+        is faster (artifacts with a target-only graph), starting from what earlier LLMs on this machine measured
+        (runtime/speculation_record.py; UNISPEC_SPECULATION_RECORD=off to start afresh); "always" / "never"
+        force one (runtime/speculation.py).
         The artifact and every setting are checked before anything is allocated (runtime/artifact_check.py)."""
         self.artifact_dir = Path(artifact_dir)
         if not self.artifact_dir.is_dir():
@@ -107,7 +113,8 @@ class LLM:
         self.engine = Engine(self.backend, eos_token_ids=m.tokenizer.eos_token_ids,
                              detokenize=self.tokenizer.decode if self.tokenizer is not None else None,
                              prefill_chunk=prefill_chunk, max_model_len=max_model_len, grammars=grammars,
-                             listener=self._trackers.on_update, speculation=speculation)
+                             listener=self._trackers.on_update, speculation=speculation,
+                             record=_speculation_record(self.artifact_dir, m, speculation, backend, backend_options))
         self._lock = RLock()
         # ids of streams collected unread: cancelled by the next caller under the lock (a finalizer may run
         # in the middle of a step, where cancelling is not safe)
@@ -147,7 +154,7 @@ class LLM:
             try:
                 for request in checked:
                     request_ids.append(self.engine.add_checked(request, stream=stream))
-                    self._trackers[request_ids[-1]] = _Tracker()
+                    self._trackers[request_ids[-1]] = _Tracker(logprobs=self.engine.logprobs_of(request_ids[-1]))
             except BaseException:
                 self._cancel(request_ids)
                 raise
@@ -261,6 +268,11 @@ class Stream:
         """The tokens committed so far (a copy; the final output's token_ids once finished)."""
         return list(self._tracker.token_ids)
 
+    def logprobs(self, start: int, stop: int) -> list[TokenLogprobs] | None:
+        """The log-probability entries of token_ids[start:stop] (None unless SamplingParams.logprobs)."""
+        collected = self._tracker.logprobs
+        return None if collected is None else collected[start:stop]
+
     def cancel(self) -> None:
         """Stop the request now (its output, finish_reason "cancelled", keeps what was generated)."""
         self._collected.detach()
@@ -329,6 +341,15 @@ def _params_for(params: SamplingParams | Sequence[SamplingParams], n: int) -> li
         raise InvalidRequestError(f"params must be one SamplingParams or one per prompt ({n}); got "
                                   f"{len(params)} items")
     return params
+
+
+def _speculation_record(artifact_dir: Path, m: Manifest, speculation: str, backend: str,
+                        options: Mapping[str, Any]) -> RecordFile | None:
+    """Where `auto` keeps what it learns about this artifact on this machine (runtime/speculation_record.py);
+    None when nothing is to be learned (a forced mode, a `none` artifact, no target-only graph)."""
+    if speculation != "auto" or not m.num_speculative_tokens or m.target_only is None:
+        return None
+    return RecordFile.for_artifact(artifact_dir, m.num_speculative_tokens, backend, options)
 
 
 def _setting(name: str, value: int | None) -> int | None:

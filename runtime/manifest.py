@@ -62,6 +62,17 @@ NEXT_DRAFT_PROBS = "next_draft_probs"    # f32 [B, K, V]: q of next_draft_tokens
 KV_DELTA = "kv_delta"                    # [S + B*K, L, W]
 FULL_KV_DELTA = "full_kv_delta"          # [S + B*K, L_full, W_full] (Gemma 4)
 DRAFT_KV_DELTA = "draft_kv_delta"        # [S + B*K, Ld, Wd]
+# The target's raw log-softmax at each verified position j (artifacts with max_logprobs N >= 1): the emitted
+# token is draft j for j < num_accepted, next_tokens at j == num_accepted; the host ignores later positions.
+EMITTED_LOGPROBS = "emitted_logprobs"    # f32 [B, K+1] log p of the emitted token
+EMITTED_RANKS = "emitted_ranks"          # int64 [B, K+1] its 1-based rank in the target's distribution
+TOP_LOGPROBS = "top_logprobs"            # f32 [B, K+1, N] the N largest log p, descending
+TOP_LOGPROB_IDS = "top_logprob_ids"      # int64 [B, K+1, N] their token ids
+LOGPROB_OUTPUTS = (EMITTED_LOGPROBS, EMITTED_RANKS, TOP_LOGPROBS, TOP_LOGPROB_IDS)
+MAX_LOGPROBS = 20                        # N at most (OpenAI's top_logprobs bound, vLLM's default max_logprobs)
+# N of an export that does not say (`unispec export --max-logprobs`): on the bundled Llama 3 the outputs
+# cost under 2% of a step (measured with ORT, 1 thread; docs/architecture.md)
+DEFAULT_MAX_LOGPROBS = 5
 
 # Each pool input and the delta output whose rows the runtime commits into it.
 DELTA_OF_POOL = {KV_POOL: KV_DELTA, FULL_KV_POOL: FULL_KV_DELTA, DRAFT_KV_POOL: DRAFT_KV_DELTA}
@@ -76,7 +87,10 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MODEL_NAME = "model.onnx"
 WEIGHTS_NAME = "model.onnx.data"
-ORT_MODEL_NAME = "model.ort.onnx"         # the same graph, functions inlined and optimized for ONNX Runtime
+ORT_MODEL_NAME = "model.ort.onnx"         # the same graph, lowered for ONNX Runtime (engines/ort)
+# Manifest.graphs: graph -> {PORTABLE: the ONNX graph `export` wrote, backend name (runtime/backends
+# BACKENDS): the file its engines/<backend> build derived from that}
+STEP, TARGET_ONLY, PORTABLE = "step", "target_only", "portable"
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 
 
@@ -125,9 +139,7 @@ class TargetOnlyGraph:
     (the target's `none` graph). K = 0: draft_tokens [B, 0], noise [B, 1, C], no draft_probs; the target's
     pools only (the draft pool is left as it is), deltas S rows long; weights in the same file."""
 
-    model_file: str
-    ort_model_file: str | None = None
-    inputs: tuple[TensorSpec, ...]
+    inputs: tuple[TensorSpec, ...]          # its files: Manifest.graphs[TARGET_ONLY]
     outputs: tuple[TensorSpec, ...]
 
 
@@ -146,15 +158,14 @@ class Manifest:
     max_tokens_per_step: int                 # S bound (prefill chunk budget; TensorRT profiles)
     noise_channels: int
     structured_output: bool = False          # graph has `token_bitmask`
+    max_logprobs: int = 0                    # N of the LOGPROB_OUTPUTS (0: none, as in artifacts before them)
     pools: tuple[PoolSpec, ...]
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     ops: tuple[str, ...] = ()                # unispec custom ops in the graph
-    model_file: str = MODEL_NAME
+    # STEP always, TARGET_ONLY with target_only; older manifests' model_file / ort_model_file map here
+    graphs: dict[str, dict[str, str]] = field(default_factory=lambda: {STEP: {PORTABLE: MODEL_NAME}})
     weights_file: str | None = WEIGHTS_NAME
-    # ONNX Runtime's copy of the graph (custom-op functions inlined, shapes folded; the same weights file);
-    # None in artifacts written before it, which ORT then runs from model_file
-    ort_model_file: str | None = None
     tokenizer: TokenizerInfo = field(default_factory=TokenizerInfo)
     exporter: dict[str, str] = field(default_factory=dict)   # package -> version
     # absolute checkpoint directories exported from (provenance; `unispec bench` loads them for its peers);
@@ -176,6 +187,15 @@ class Manifest:
             raise ArtifactError(f"manifest: pools {missing} are not graph inputs; the artifact is damaged, re-export it")
         check_fields(self)
 
+    @property
+    def model_file(self) -> str:
+        """The portable step graph (model.onnx): what TensorRT builds and every check reads."""
+        return self.graphs[STEP][PORTABLE]
+
+    def graph_file(self, graph: str, backend: str) -> str | None:
+        """`backend`'s file of `graph` (STEP or TARGET_ONLY), or None when it has none."""
+        return self.graphs.get(graph, {}).get(backend)
+
     def blocks_per_row(self, context_len: int | None = None) -> int:
         """Block-table width of a row with `context_len` tokens (default max_model_len), its step reach included."""
         length = self.max_model_len if context_len is None else context_len
@@ -195,17 +215,17 @@ class Manifest:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
         try:
+            d = _graph_map(dict(d))
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(d) - known)
             if unknown:
                 raise ArtifactError(f"manifest: unknown fields {unknown}; the artifact was written by a newer "
                                     "unispec, upgrade or re-export")
             check_layout(d)
-            d = dict(d)
             d["pools"] = tuple(PoolSpec(**p) for p in d["pools"])
             d["inputs"], d["outputs"] = _tensor_specs(d["inputs"]), _tensor_specs(d["outputs"])
             if d.get("target_only") is not None:
-                only = dict(d["target_only"])
+                only = {k: v for k, v in d["target_only"].items() if k not in _OLD_FILE_FIELDS}
                 only["inputs"], only["outputs"] = _tensor_specs(only["inputs"]), _tensor_specs(only["outputs"])
                 d["target_only"] = TargetOnlyGraph(**only)
             d["ops"] = tuple(d.get("ops", ()))
@@ -230,6 +250,25 @@ class Manifest:
         if not isinstance(d, dict):
             raise ArtifactError(f"{path}: must hold a JSON object; the artifact is damaged, re-export it")
         return cls.from_dict(d)
+
+
+# the fields that named graph files before the graph map: field -> the map's key
+_OLD_FILE_FIELDS = {"model_file": PORTABLE, "ort_model_file": "ort"}
+
+
+def _graph_map(d: dict[str, Any]) -> dict[str, Any]:
+    """A manifest written before the graph map (model_file, defaulting to model.onnx, and ort_model_file, at
+    the top and in target_only): its files moved into `graphs`, as export writes them now, so artifacts
+    already on disk keep running."""
+    if "graphs" in d:
+        return d
+    only = d.get(TARGET_ONLY)
+    old = {STEP: {"model_file": MODEL_NAME, **d}, **({TARGET_ONLY: only} if isinstance(only, dict) else {})}
+    d["graphs"] = {graph: {key: files[name] for name, key in _OLD_FILE_FIELDS.items() if files.get(name) is not None}
+                   for graph, files in old.items()}
+    for name in _OLD_FILE_FIELDS:
+        d.pop(name, None)
+    return d
 
 
 def _tensor_specs(items: list[dict[str, Any]]) -> tuple[TensorSpec, ...]:
@@ -287,6 +326,8 @@ def check_fields(m: Manifest) -> None:
     require("draft_arch", m.draft_arch, m.draft_arch is None or isinstance(m.draft_arch, str), "a string or null")
     require("dtype", m.dtype, m.dtype in FLOAT_DTYPES, f"one of {', '.join(FLOAT_DTYPES)}")
     require("structured_output", m.structured_output, isinstance(m.structured_output, bool), "true or false")
+    require("max_logprobs", m.max_logprobs, is_int(m.max_logprobs) and 0 <= m.max_logprobs <= MAX_LOGPROBS,
+            f"an int in [0, {MAX_LOGPROBS}]")
     k_limit = max_speculative_tokens(m.method)
     for name, (lowest, highest) in (*SIZES.items(), ("num_speculative_tokens", (0, k_limit))):
         value = getattr(m, name)
@@ -319,9 +360,9 @@ def artifact_files(m: Manifest) -> tuple[str, ...]:
 
 def named_files(m: Manifest) -> list[tuple[str, object]]:
     """(field, file name or None) of every field that names a file: the one list both file checks confine."""
-    engine, only = m.engine if isinstance(m.engine, dict) else {}, m.target_only
-    return [("model_file", m.model_file), ("weights_file", m.weights_file), ("ort_model_file", m.ort_model_file),
-            *((f"target_only.{name}", getattr(only, name)) for name in ("model_file", "ort_model_file") if only),
+    engine = m.engine if isinstance(m.engine, dict) else {}
+    graphs = [(f"graphs.{graph}.{key}", name) for graph, files in m.graphs.items() for key, name in files.items()]
+    return [*graphs, ("weights_file", m.weights_file),
             *((f"tokenizer.files[{i}]", name) for i, name in enumerate(m.tokenizer.files)),
             ("engine.plan", engine.get("plan")), ("engine.settings", engine.get("settings"))]
 
@@ -330,10 +371,18 @@ def _check_files(m: Manifest) -> None:
     """Artifacts are flat: a plain name cannot point outside one (artifact_check.check_paths follows symlinks)."""
     require("engine", m.engine, m.engine is None or isinstance(m.engine, dict), "an object or null")
     require("tokenizer.files", m.tokenizer.files, isinstance(m.tokenizer.files, tuple), "a list of file names")
+    _check_graph_map(m)
     for field_name, name in named_files(m):
-        optional = field_name not in ("model_file", "target_only.model_file")
-        require(field_name, name, (name is None and optional) or plain_name(name),
+        require(field_name, name, (name is None and not field_name.startswith("graphs.")) or plain_name(name),
                 "a plain file name inside the artifact directory (no directory part, not absolute)")
+
+
+def _check_graph_map(m: Manifest) -> None:
+    """Each graph the manifest describes has its portable file, and the map names no other graph."""
+    wanted = [STEP, *([TARGET_ONLY] if m.target_only is not None else [])]
+    ok = isinstance(m.graphs, dict) and all(isinstance(f, dict) and PORTABLE in f for f in m.graphs.values())
+    require("graphs", m.graphs, ok and sorted(m.graphs) == sorted(wanted),
+            f"an object mapping {' and '.join(wanted)} to {{\"{PORTABLE}\": file, backend: file}}")
 
 
 def _check_token_ids(m: Manifest) -> None:

@@ -41,9 +41,6 @@ SEED_LIMIT = 2**64
 MAX_STOP = 64                            # stop entries (strings and token ids)
 MAX_STOP_CHARS = 1024                    # characters of one stop string
 MAX_N = 128                              # completions of one request (each is a request in the engine)
-# why `logprobs` is refused (the server says the same)
-LOGPROBS_UNSUPPORTED = ("the step graphs do not output the target's log-probabilities yet, so logprobs cannot "
-                        "be returned; leave it unset")
 # A constraint is compiled before its request runs, and compiling grows fast with its size (measured with
 # xgrammar 0.2.8 on the bundled 1,024-token vocabulary, a shared 2-core machine: a schema's enum of 4,000
 # values, 55 kB, 0.14 s; 12,000, 169 kB, 1.8 s; 20,000, 289 kB, 20 s) and with the cube of a JSON schema's
@@ -104,7 +101,9 @@ class SamplingParams:
     # token ids that end the request, `stop`'s ints included (stored as a frozenset)
     stop_token_ids: frozenset[int] | Sequence[int] = frozenset()
     n: int = 1                           # completions of the prompt
-    logprobs: int | None = None          # refused unless None (LOGPROBS_UNSUPPORTED)
+    # top log-probabilities of the target's raw distribution per generated token (vLLM's `logprobs`): None =
+    # none collected; k (at most the artifact's max_logprobs) = the k most likely plus the sampled token
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -115,8 +114,6 @@ class SamplingParams:
         if isinstance(ids, (Sequence, frozenset, set)) and not isinstance(ids, str) and all(map(_is_int, ids)):
             stop_ints = (s for s in self.stop if _is_int(s)) if isinstance(self.stop, tuple) else ()
             object.__setattr__(self, "stop_token_ids", frozenset(ids).union(stop_ints))
-        if self.logprobs is not None:
-            raise InvalidRequestError(f"SamplingParams.logprobs={_short(self.logprobs)}: {LOGPROBS_UNSUPPORTED}")
         object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
         for name, ok, valid in self._checks():
             if not ok:
@@ -151,6 +148,8 @@ class SamplingParams:
             ("grammar", self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
              "a non-empty EBNF grammar string"),
             ("relaxed_thinking", isinstance(self.relaxed_thinking, bool), "True or False"),
+            ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+             "None or an int >= 0 (top log-probabilities per token; the artifact's max_logprobs bounds it)"),
             ("stop_token_ids", isinstance(self.stop_token_ids, frozenset) and len(self.stop_token_ids) <= MAX_STOP
              and all(s >= 0 for s in self.stop_token_ids), f"a list of at most {MAX_STOP} token ids (ints >= 0)"),
             ("n", _is_int(self.n) and 1 <= self.n <= MAX_N

@@ -17,7 +17,7 @@ stream advances only on steps that generate, never on prefill or recompute chunk
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,8 +29,8 @@ from runtime.noise import RequestNoise
 from runtime.sampling_params import SamplingParams
 from runtime.structured import RequestGrammar
 
-__all__ = ["FINISH_REASONS", "CompletionOutput", "RequestMetrics", "RequestOutput", "SequenceState", "acceptance_summary",
-           "validate_prompt"]
+__all__ = ["FINISH_REASONS", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SequenceState",
+           "TokenLogprobs", "acceptance_summary", "token_logprobs", "validate_prompt"]
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -42,6 +42,32 @@ def acceptance_summary(accepted: Sequence[int], k: int) -> tuple[float, tuple[fl
     if not steps.size:
         return 1.0, (0.0,) * k
     return 1.0 + float(steps.mean()), tuple(float((steps > j).mean()) for j in range(k))
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability under the target's raw distribution (vLLM's `Logprob`)."""
+
+    logprob: float
+    rank: int | None = None              # 1-based rank in the distribution (1 = most likely)
+    decoded_token: str | None = None     # the token's own text; None without a tokenizer
+
+
+TokenLogprobs = dict[int, Logprob]       # token id -> Logprob: the sampled token first, then the top k by rank
+
+
+def token_logprobs(token: int, logprob: float, rank: int, top: Sequence[float], top_ids: Sequence[int], k: int,
+                   decode: Callable[[list[int]], str] | None) -> TokenLogprobs:
+    """The entries of one generated token: itself (with its rank, which may be > k, as vLLM includes it),
+    then the k most likely tokens (top / top_ids: the graph's N >= k, descending)."""
+    def entry(token_id: int, value: float, rank: int) -> Logprob:
+        return Logprob(value, rank, None if decode is None else decode([token_id]))
+
+    entries = {token: entry(token, logprob, rank)}
+    for i in range(k):
+        if top_ids[i] not in entries:
+            entries[top_ids[i]] = entry(top_ids[i], top[i], i + 1)
+    return entries
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +92,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str                           # one of FINISH_REASONS
     metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids; None unless SamplingParams.logprobs
+    cumulative_logprob: float | None = None      # the sum of the generated tokens' log-probabilities (same)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,11 +108,14 @@ class RequestOutput:
     finish_reason: str                           # one of FINISH_REASONS
     metrics: RequestMetrics
     outputs: tuple[CompletionOutput, ...] = ()   # () when built: this output's own fields as completion 0
+    logprobs: list[TokenLogprobs] | None = None  # the first completion's (see CompletionOutput)
+    cumulative_logprob: float | None = None
 
     def __post_init__(self) -> None:
         if not self.outputs:
             own = CompletionOutput(index=0, text=self.text, token_ids=self.token_ids,
-                                   finish_reason=self.finish_reason, metrics=self.metrics)
+                                   finish_reason=self.finish_reason, metrics=self.metrics, logprobs=self.logprobs,
+                                   cumulative_logprob=self.cumulative_logprob)
             object.__setattr__(self, "outputs", (own,))
 
     @property
@@ -96,10 +127,12 @@ class RequestOutput:
         """One request's output from the outputs of its n completions (each run as its own request)."""
         first = parts[0]
         completions = tuple(CompletionOutput(index=i, text=p.text, token_ids=p.token_ids,
-                                             finish_reason=p.finish_reason, metrics=p.metrics)
+                                             finish_reason=p.finish_reason, metrics=p.metrics, logprobs=p.logprobs,
+                                             cumulative_logprob=p.cumulative_logprob)
                             for i, p in enumerate(parts))
         return cls(request_id=first.request_id, prompt_token_ids=first.prompt_token_ids, token_ids=first.token_ids,
-                   text=first.text, finish_reason=first.finish_reason, metrics=first.metrics, outputs=completions)
+                   text=first.text, finish_reason=first.finish_reason, metrics=first.metrics, outputs=completions,
+                   logprobs=first.logprobs, cumulative_logprob=first.cumulative_logprob)
 
     def summary(self) -> str:
         """One line: tokens, speed, speculative acceptance, why it ended."""
@@ -141,6 +174,9 @@ class SequenceState:
     stream: bool = False                         # the listener gets the text as it becomes final
     text: IncrementalText | None = None          # with stop strings or a stream (and a tokenizer)
     generated: list[int] = field(default_factory=list)
+    # one entry per generated token when SamplingParams.logprobs is set (the engine fills it), else None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float = 0.0
     cache_len: int = 0                           # tokens committed to the pools
     draft_len: int = 0                           # of those, the ones with draft KV (adaptive speculation)
     drafts: list[int] | None = None              # [K] drafts to verify next decode step

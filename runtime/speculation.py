@@ -24,6 +24,15 @@
   graph (whose seeded tokens do not depend on the batch) and leaves its choosing state alone; requests
   sharing that batch speculate too.
 
+- the record (runtime/speculation_record.py): an engine given what earlier engines on the artifact measured
+  (ratio t_spec / t_target per bucket and kind of step, acceptance) decides its first step by the rule above
+  instead of exploring: a fresh LLM's short request used to end inside the exploration. A bucket the record
+  lacks borrows its nearest recorded ratio; what this engine times itself wins, and is blended into the record
+  (geometric mean) when it runs out of requests. Probes of a recorded choice wait RECORDED_PROBE steps and
+  are made even when the gain looks out of reach; engines too short-lived to probe count the steps decided
+  on recorded ratios, and the one that brings the count to PROBE_INTERVAL times both graphs (its probe lasts
+  WARMUP_STEPS + MIN_SAMPLES steps, so that a fresh engine's cold steps are left out).
+
 Forcing: `speculation="always"` (the speculative graph every step) or `"never"` (target-only every step).
 Peers: vLLM turns speculation off above a batch size; TRT-LLM and SGLang adapt the draft length. The
 measurements behind each constant: docs/notes/adaptive-speculation.md.
@@ -37,6 +46,7 @@ from collections.abc import Sequence
 
 from runtime.errors import InvalidRequestError
 from runtime.sequence import SequenceState
+from runtime.speculation_record import CostRecord
 
 __all__ = ["MODES", "SPECULATIVE", "TARGET_ONLY", "SpeculationPolicy", "lower_quartile"]
 
@@ -55,6 +65,7 @@ RECHECK = 4                # steps a kept decision holds before it is looked at 
 ROW_WINDOW = 16            # a row's recent verified steps its acceptance estimate averages
 PRIOR_WEIGHT = 8.0         # how many steps the engine-wide mean counts for in a row's estimate
 FIRST_PROBE = 64           # steps in one mode before the first probe of the other; then doubling
+RECORDED_PROBE = 256       # ... when the ratio was measured by an earlier engine (runtime/speculation_record.py)
 PROBE_INTERVAL = 1024      # ... up to this
 PROBE_REACH = 0.5          # target-only probes speculation only if its expected gain is this share of the bar
 BATCH_MARGIN = 0.10        # the bar rises by this share per doubling of the batch (see the module's note)
@@ -64,7 +75,8 @@ BORROW_EXPONENT = 0.35     # a borrowed step-time ratio scales as (batch / measu
 class SpeculationPolicy:
     """Chooses the graph of every step and learns from what each step cost and accepted."""
 
-    def __init__(self, mode: str, *, k: int, has_target_only: bool) -> None:
+    def __init__(self, mode: str, *, k: int, has_target_only: bool, known: CostRecord | None = None) -> None:
+        """`known`: what earlier engines learned on this artifact (runtime/speculation_record.py), or None."""
         if mode not in MODES:
             raise InvalidRequestError(f"speculation={mode!r}; use one of {', '.join(MODES)}")
         if mode == "never" and k and not has_target_only:
@@ -75,13 +87,18 @@ class SpeculationPolicy:
         self.step_s: dict[tuple[str, int, bool], float] = {}       # (kind, batch bucket, sampled) -> seconds
         self.samples: Counter[tuple[str, int, bool]] = Counter()   # decode steps run, timed or not
         self._recent: dict[tuple[str, int, bool], deque[float]] = {}
-        self.prior = {False: float(k), True: float(k)}             # sampled -> engine-wide mean accepted
+        self.known = known if known is not None and self.adaptive else CostRecord()
+        # sampled -> (the mean standing in for row-steps not seen yet, how many it stands for): K, optimistic,
+        # or what the record says earlier engines saw
+        self._fill = {s: self.known.accepted.get(s, (float(k), 0)) for s in (False, True)}
+        self.prior = {s: mean for s, (mean, _) in self._fill.items()}   # sampled -> engine-wide mean accepted
         self._seen: dict[bool, deque[int]] = {s: deque(maxlen=PRIOR_WINDOW) for s in (False, True)}
         self._seen_sum = {False: 0, True: 0}
         self.counts: Counter[str] = Counter()                      # steps of each kind
         self.pinned = 0                  # speculative steps chosen for seeded sampled rows, not by cost
         self.current = SPECULATIVE if mode != "never" else TARGET_ONLY
         self._dwell = self._since_probe = 0
+        self.stale_steps = self.known.stale_steps     # steps decided on recorded ratios since both were timed
         self._probe_after: dict[tuple[int, bool] | None, int] = {}  # steps before a probe (key: see choose)
         self._probing = False            # speculating on a probe: kept only over the bar to start
 
@@ -95,40 +112,59 @@ class SpeculationPolicy:
             self.pinned += 1
             return SPECULATIVE                       # reproducible seeded tokens, see the module's note
         self._since_probe += 1
+        bucket, sampled = _bucket(len(rows)), _any_sampled(rows)
+        if self.known.ratios and self._ratio(bucket, sampled) is None:
+            self.stale_steps += 1                 # a step decided on what earlier engines measured
         fresh = not any(r.generated for r in rows)      # a batch that has not decoded: the bar to start is its own
         if self._dwell > 0 and not fresh and not (self.current == TARGET_ONLY and _all_new(rows)):
             self._dwell -= 1
             return self.current
-        bucket, sampled = _bucket(len(rows)), _any_sampled(rows)
         kind, reach = self._best(rows, bucket, sampled, fresh)
-        key = (bucket, sampled) if kind == SPECULATIVE else None                           # probes of target-only
-        probe_after = self._probe_after.get(key, FIRST_PROBE)                            # by bucket, see the note
-        probe = kind == self.current and self._since_probe >= probe_after and \
-            (kind == SPECULATIVE or (_gap(rows) <= ENTER_GAP / 4 and reach >= PROBE_REACH))
+        probe, dwell = self._probe(kind, rows, bucket, sampled, reach)
         if probe:
-            kind, self._probe_after[key] = _other(kind), min(2 * probe_after, PROBE_INTERVAL)
+            kind = _other(kind)
         self._probing = probe and kind == SPECULATIVE
-        if kind != self.current:
-            self._since_probe = 0
-            probe_dwell = MIN_DWELL // 2 if kind == SPECULATIVE else MIN_DWELL // 4
-            self.current, self._dwell = kind, (probe_dwell if probe else MIN_DWELL) - 1
-        else:
-            self._dwell = RECHECK - 1                # kept: looked at again in RECHECK steps
+        switched = kind != self.current
+        if switched:
+            self._since_probe, self.current = 0, kind
+        self._dwell = (dwell if switched or probe else RECHECK) - 1   # kept: looked at again in RECHECK steps
         return kind
+
+    def _probe(self, best: str, rows: Sequence[SequenceState], bucket: int, sampled: bool,
+               reach: float) -> tuple[bool, int]:
+        """Whether to run the other graph than `best` now, and how many steps a switch then holds."""
+        own = self._ratio(bucket, sampled) is not None
+        if self.stale_steps >= PROBE_INTERVAL and not own and _gap(rows) <= ENTER_GAP / 4:
+            self.stale_steps = 0                  # time both graphs here, long enough to outlast their warm-up
+            return True, WARMUP_STEPS + MIN_SAMPLES
+        recorded = not own and (bucket, sampled) in self.known.ratios
+        key = (bucket, sampled) if best == SPECULATIVE else None                         # probes of target-only
+        # by bucket, see the note; a recorded ratio has been measured already, by an earlier engine
+        probe_after = self._probe_after.get(key, RECORDED_PROBE if recorded else FIRST_PROBE)
+        if best != self.current or self._since_probe < probe_after or (
+                best == TARGET_ONLY and (_gap(rows) > ENTER_GAP / 4 or (reach < PROBE_REACH and not recorded))):
+            return False, MIN_DWELL
+        self._probe_after[key] = min(2 * probe_after, PROBE_INTERVAL)
+        return True, MIN_DWELL // 2 if best == TARGET_ONLY else MIN_DWELL // 4
 
     def _best(self, rows: Sequence[SequenceState], bucket: int, sampled: bool, fresh: bool) -> tuple[str, float]:
         """The better kind of step for `rows` (in batch bucket `bucket`, `sampled` if any row samples; `fresh`:
         none has decoded yet), and its expected gain over the bar it must clear (inf while a kind is
         unmeasured)."""
-        spec_s, only_s = self._time(SPECULATIVE, bucket, sampled), self._time(TARGET_ONLY, bucket, sampled)
-        if self.current == SPECULATIVE and (spec_s is None or only_s is None):
-            kind = TARGET_ONLY if spec_s is not None else SPECULATIVE     # measure, then explore target-only
-            return kind, math.inf
-        if self.current == TARGET_ONLY and only_s is None:
-            return TARGET_ONLY, math.inf
-        ratio = spec_s / only_s if spec_s is not None else self._nearest_ratio(bucket, sampled)
+        ratio = self._ratio(bucket, sampled)
         if ratio is None:
-            return SPECULATIVE, math.inf                                  # nothing to borrow: explore
+            ratio = self.known.ratios.get((bucket, sampled))          # measured by earlier engines
+        if ratio is None and any(s == sampled for _, s in self.known.ratios):
+            ratio = self._nearest_ratio(bucket, sampled)               # or near it: exploring costs more
+        if ratio is None:                                               # explore: measure what is not
+            spec_s, only_s = self._time(SPECULATIVE, bucket, sampled), self._time(TARGET_ONLY, bucket, sampled)
+            if self.current == SPECULATIVE:
+                return (TARGET_ONLY if spec_s is not None else SPECULATIVE), math.inf   # then target-only
+            if only_s is None:
+                return TARGET_ONLY, math.inf
+            ratio = self._nearest_ratio(bucket, sampled)
+            if ratio is None:
+                return SPECULATIVE, math.inf                              # nothing to borrow: explore
         gain = sum(1.0 + self.expected_accepted(r) for r in rows) / max(len(rows), 1) / ratio
         bar = 1.0 + STAY_MARGIN
         if self.current == TARGET_ONLY or self._probing or fresh:                 # to start
@@ -150,15 +186,41 @@ class SpeculationPolicy:
             self.step_s[key] = lower_quartile(self._recent[key])
         return self.step_s[key]
 
+    def _ratio(self, bucket: int, sampled: bool) -> float | None:
+        """t_spec / t_target of a bucket as this engine measured it, None until it timed both graphs there."""
+        spec_s, only_s = self._time(SPECULATIVE, bucket, sampled), self._time(TARGET_ONLY, bucket, sampled)
+        return None if spec_s is None or only_s is None else spec_s / only_s
+
+    def _ratios(self, sampled: bool) -> dict[int, float]:
+        """bucket -> t_spec / t_target of every bucket measured, by this engine or (else) recorded."""
+        ratios = {b: r for (b, s), r in self.known.ratios.items() if s == sampled}
+        for kind, b, s in list(self.samples):
+            ratio = self._ratio(b, s) if kind == SPECULATIVE and s == sampled else None
+            if ratio is not None:
+                ratios[b] = ratio
+        return ratios
+
     def _nearest_ratio(self, bucket: int, sampled: bool) -> float | None:
         """t_spec / t_target of the measured bucket nearest to `bucket` (log scale), None if none is."""
-        both = [b for (kind, b, s) in self.samples if kind == SPECULATIVE and s == sampled
-                and self._time(SPECULATIVE, b, s) is not None and self._time(TARGET_ONLY, b, s) is not None]
-        if not both:
+        ratios = self._ratios(sampled)
+        if not ratios:
             return None
-        nearest = min(both, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-        ratio = self._time(SPECULATIVE, nearest, sampled) / self._time(TARGET_ONLY, nearest, sampled)
-        return ratio * (bucket / nearest) ** BORROW_EXPONENT
+        nearest = min(ratios, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        return ratios[nearest] * (bucket / nearest) ** BORROW_EXPONENT
+
+    def learned(self) -> CostRecord:
+        """What the next engine on this artifact should start from: the record this one was given, with the
+        ratios it measured itself and its acceptance in place of the record's."""
+        accepted = dict(self.known.accepted)
+        for sampled, seen in self._seen.items():
+            if seen:
+                accepted[sampled] = (self.prior[sampled], len(seen) + self._missing(sampled))
+        ratios = dict(self.known.ratios)
+        for key in {(b, s) for (_, b, s) in self.samples}:
+            own = self._ratio(*key)
+            if own is not None:         # one engine's cold steps and load: half the weight, the record the rest
+                ratios[key] = math.sqrt(own * ratios[key]) if key in ratios else own
+        return CostRecord(ratios, accepted, self.stale_steps)
 
     def expected_accepted(self, row: SequenceState) -> float:
         """Drafts the row is expected to accept per speculative step."""
@@ -188,16 +250,21 @@ class SpeculationPolicy:
                     self._remember(sampled, new)
 
     def _remember(self, sampled: bool, accepted: list[int]) -> None:
-        """The engine-wide mean over the last PRIOR_WINDOW verified row-steps of a kind (K standing in for
-        the ones before PRIOR_WEIGHT were seen)."""
+        """The engine-wide mean over the last PRIOR_WINDOW verified row-steps of a kind (K or the record's
+        mean standing in for those not seen yet, see _missing)."""
         seen = self._seen[sampled]
         for a in accepted:
             if len(seen) == seen.maxlen:
                 self._seen_sum[sampled] -= seen[0]
             seen.append(a)
             self._seen_sum[sampled] += a
-        missing = max(0.0, PRIOR_WEIGHT - len(seen))
-        self.prior[sampled] = (self._seen_sum[sampled] + missing * self.k) / (len(seen) + missing)
+        missing = self._missing(sampled)
+        self.prior[sampled] = (self._seen_sum[sampled] + missing * self._fill[sampled][0]) / (len(seen) + missing)
+
+    def _missing(self, sampled: bool) -> int:
+        """Row-steps of the window the fill value still stands for: PRIOR_WEIGHT of K, or as many as the
+        record's mean stood for (the window then spans engines)."""
+        return max(0, max(int(PRIOR_WEIGHT), min(self._fill[sampled][1], PRIOR_WINDOW)) - len(self._seen[sampled]))
 
 
 def lower_quartile(values: Sequence[float]) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +44,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # `auto`'s per-machine cost record (runtime/speculation_record.py) would carry one test's timings into the
+    # next through ~/.cache; tests that exercise it name their own folder
+    os.environ.setdefault("UNISPEC_SPECULATION_RECORD", "off")
     # Test models are tiny: threads buy nothing and two processes on two cores oversubscribe them badly.
     try:
         import torch

@@ -17,7 +17,8 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "AsyncLLM": ("runtime.async_llm", "AsyncLLM"),
     "RequestOutput": ("runtime.sequence", "RequestOutput"),
     "CompletionOutput": ("runtime.sequence", "CompletionOutput"),
-    "export_model": ("export.artifact", "export_model"),
+    "Logprob": ("runtime.sequence", "Logprob"),
+    "export_model": ("unispec.exporting", "export_model"),
     "build_engine": ("engines.build", "build_engine"),
 }
 

@@ -80,7 +80,10 @@ def _artifact_tables(directory: Path, view: Any) -> list[Any]:
             ("bounds", f"max_model_len {m.max_model_len}, max_batch_size {m.max_batch_size}, "
                        f"max_tokens_per_step {m.max_tokens_per_step}"),
             ("noise channels", m.noise_channels), ("structured output", m.structured_output),
-            ("KV bytes per token", m.kv_bytes_per_token()), ("files", f"{m.model_file}, {m.weights_file}"),
+            ("KV bytes per token", m.kv_bytes_per_token()),
+            ("graphs", "; ".join(f"{graph}: " + ", ".join(f"{name} ({key})" for key, name in files.items())
+                                 for graph, files in m.graphs.items())),
+            ("weights", m.weights_file or "(inline)"),
             ("tokenizer", f"{tokenizer}; bos {m.tokenizer.bos_token_id}, eos {list(m.tokenizer.eos_token_ids)}"),
             ("exporter", ", ".join(f"{k} {v}" for k, v in m.exporter.items())),
             ("engine", "(none: run `unispec build`)" if m.engine is None else m.engine)):

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from runtime.errors import UnispecError
-from unispec.cli_common import CHECKPOINT_DIR, SPECULATION, progress_reporter, verbosity
+from unispec.cli_common import BACKEND_OPTION, CHECKPOINT_DIR, SPECULATION, progress_reporter, verbosity
 
 __all__ = ["bench"]
 
@@ -56,7 +56,7 @@ def _peer_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
 @click.option("--max-tokens", type=int, default=64, show_default=True, help="New tokens per request.")
 @click.option("--threads", type=int, default=None, show_default="all cores",
               help="Intra-op threads for ONNX Runtime, torch and onnxruntime-genai alike.")
-@click.option("--backend", type=click.Choice(("ort", "trt")), default="ort", show_default=True)
+@BACKEND_OPTION
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A .jsonl of {\"prompt\": ...} or a text file with one prompt per line.  [default: "
                    "prompts.jsonl in or beside the target checkpoint, else models/prompts.jsonl]")
@@ -73,6 +73,7 @@ def bench(**options: Any) -> None:
     """Benchmark an artifact against target-only decoding and peers (transformers, onnxruntime-genai)."""
     from rich.console import Console
 
+    from plugins.ort_cpu.choice import describe_current
     from unispec.bench import BenchConfig, run_bench
     from unispec.bench_report import headline, report_tables, write_json, write_plot
 
@@ -86,6 +87,7 @@ def bench(**options: Any) -> None:
         console.print(renderable)
     for line in headline(report):
         console.print(line, highlight=False)
+    console.print(f"native CPU kernels {describe_current()}", highlight=False)    # which this ISA runs (issue 40)
     if config.json_out is not None:
         click.echo(f"json: {write_json(report, config.json_out)}")
     if config.plot is not None:

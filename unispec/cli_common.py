@@ -15,8 +15,10 @@ from typing import Any
 
 import click
 
-__all__ = ["CHECKPOINT_DIR", "JSON_OPTION", "OUR_LOGGERS", "SPECULATION", "MethodChoice", "Progress",
-           "echo_json", "jsonable", "our_logging", "progress_mode", "progress_reporter",
+from runtime.backends import BACKENDS
+
+__all__ = ["BACKEND_OPTION", "CHECKPOINT_DIR", "JSON_OPTION", "OUR_LOGGERS", "SPECULATION", "MethodChoice",
+           "Progress", "echo_json", "jsonable", "our_logging", "progress_mode", "progress_reporter",
            "verbosity"]
 
 # a checkpoint directory, or a hub id `org/name[@revision]` that export/hub.py finds in the Hugging Face cache:
@@ -24,6 +26,8 @@ __all__ = ["CHECKPOINT_DIR", "JSON_OPTION", "OUR_LOGGERS", "SPECULATION", "Metho
 CHECKPOINT_DIR = click.Path(file_okay=False, path_type=Path)
 SPECULATION = click.Choice(("auto", "always", "never"))
 OUR_LOGGERS = ("unispec", "export", "engines", "runtime", "plugins")
+# the registry's names (runtime/backends BACKENDS: import paths only, nothing heavy is imported)
+BACKEND_OPTION = click.option("--backend", type=click.Choice(tuple(BACKENDS)), default="ort", show_default=True)
 JSON_OPTION = click.option("--json", "as_json", is_flag=True,
                            help="Print one JSON document on stdout instead of the human-readable text.")
 

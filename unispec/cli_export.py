@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from runtime import manifest as io
 from unispec.cli_common import (
     CHECKPOINT_DIR,
     JSON_OPTION,
@@ -50,9 +51,12 @@ __all__ = ["build", "export"]
 @click.option("--quant-block", type=click.Choice(("32", "64", "128")), default="32", show_default=True,
               callback=lambda _ctx, _param, value: int(value), help="Weights per quantization block along K.")
 @click.option("--quantize-lm-head", is_flag=True, help="Quantize the output head too (costs top-1 agreement).")
+@click.option("--max-logprobs", type=click.IntRange(0, io.MAX_LOGPROBS), default=io.DEFAULT_MAX_LOGPROBS,
+              show_default=True, help="Top log-probabilities per token the graphs output (SamplingParams.logprobs "
+                                      "at most this); 0: none.")
 def export(**options: Any) -> None:
     """Export a target (+ draft) checkpoint to an ONNX artifact directory."""
-    from export.artifact import export_model
+    from unispec.exporting import export_model
 
     out = export_model(**options, progress=progress_mode(verbosity()))
     click.echo(f"artifact: {out}")

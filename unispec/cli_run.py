@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from unispec.cli_common import (
+    BACKEND_OPTION,
     CHECKPOINT_DIR,
     JSON_OPTION,
     SPECULATION,
@@ -24,7 +25,7 @@ __all__ = ["compare", "run"]
 @click.argument("artifact_dir", type=click.Path(path_type=Path))
 @click.option("--prompt", default=None, help="Prompt text (wrapped in the tokenizer's chat template with --chat).")
 @click.option("--prompt-ids", default=None, help="Comma-separated prompt token ids (artifacts without a tokenizer).")
-@click.option("--backend", type=click.Choice(("ort", "trt")), default="ort", show_default=True)
+@BACKEND_OPTION
 @click.option("--max-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=None,
               help="0 = greedy. [default: the artifact's generation_config.json, else 0]")

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from unispec.cli_common import SPECULATION
+from unispec.cli_common import BACKEND_OPTION, SPECULATION
 
 __all__ = ["serve"]
 
@@ -16,7 +16,7 @@ __all__ = ["serve"]
 @click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--backend", type=click.Choice(("ort", "trt")), default="ort", show_default=True)
+@BACKEND_OPTION
 @click.option("--served-model-name", default=None, show_default="the artifact directory's name",
               help="The `model` clients name in their requests.")
 @click.option("--max-batch-size", type=int, default=None, show_default="the artifact's",

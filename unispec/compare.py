@@ -171,8 +171,16 @@ class _Lockstep:
         self.atol, self.rtol, self.step = atol, rtol, 0
         self.diffs = {name: {o.name: OutputDiff() for o in self.manifest.outputs} for name in self.others}
 
+    has_target_only = False          # backends compared run the same steps: speculative ones only
+
     def input_specs(self) -> tuple[io.TensorSpec, ...]:
         return self.ref.input_specs()
+
+    def target_only_input_specs(self) -> tuple[io.TensorSpec, ...]:
+        return ()
+
+    def run_target_only(self, feeds: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        raise UnispecError("compare runs speculative steps only")
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         ref = self.ref.run(feeds)

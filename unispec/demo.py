@@ -31,7 +31,7 @@ def _recipe_hash(model_dir: Path) -> str:
 def _artifact(cache: Path, target: Path, draft: Path | None, method: str, k: int, console: Console,
               progress: bool | str | None) -> Path:
     """Export once per (method, model versions); a retrained model gets a fresh artifact."""
-    from export.artifact import export_model
+    from unispec.exporting import export_model
 
     key = "-".join([_recipe_hash(target)] + ([_recipe_hash(draft)] if draft else []))
     out = cache / f"{target.name}-{method}-k{k}"

@@ -37,6 +37,7 @@ from runtime.async_llm import AsyncStream
 from runtime.errors import InvalidRequestError, UnispecError
 from runtime.sequence import RequestOutput
 from unispec.serve import ServeConfig, ServedModel, load_model
+from unispec.serve_logprobs import token_chars
 from unispec.serve_protocol import APIError, ChatRequest, CompletionRequest, Reply, error_body, sse
 
 __all__ = ["build_app", "run_uvicorn"]
@@ -75,8 +76,8 @@ def build_app(model: ServedModel) -> FastAPI:
         params = body.sampling_params(default_max_tokens=16,          # OpenAI's default for completions
                                       defaults=model.llm.sampling_defaults)
         ids = await _encoded(model.encode(body.single_prompt()), "prompt")
-        return await _answer(model, Reply.new("completion", model.name, body.return_token_ids), ids, params,
-                             body, request)
+        return await _answer(model, Reply.new("completion", model.name, body.return_token_ids, params.logprobs), ids,
+                             params, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
@@ -84,8 +85,8 @@ def build_app(model: ServedModel) -> FastAPI:
         # a chat may run to the end of the context unless it says otherwise; the engine caps max_tokens there
         params = body.sampling_params(default_max_tokens=model.max_model_len, defaults=model.llm.sampling_defaults)
         ids = await _encoded(model.encode_chat(body.chat()), "messages")
-        return await _answer(model, Reply.new("chat", model.name, body.return_token_ids), ids, params, body,
-                             request)
+        return await _answer(model, Reply.new("chat", model.name, body.return_token_ids, params.logprobs), ids,
+                             params, body, request)
 
     return app
 
@@ -132,12 +133,18 @@ async def _stream(stream: AsyncStream, reply: Reply, include_usage: bool, n: int
                 for index in range(n):
                     yield sse(reply.chunk("", role="assistant", index=index))
             outputs: dict[int, RequestOutput] = {}
+            offsets = [0] * n                 # characters of the tokens whose logprobs each choice has sent
             async for delta in stream:
-                if delta.text:
-                    yield sse(reply.chunk(delta.text, index=delta.index))
+                # a chunk carries the logprobs of the tokens this delta brings (the last, its closing chunk's)
+                logprobs = delta.logprobs if delta.output is None else None
+                if delta.text or logprobs:
+                    yield sse(reply.chunk(delta.text, index=delta.index, logprobs=logprobs,
+                                          text_offset=offsets[delta.index]))
+                    offsets[delta.index] += token_chars(logprobs or [])
                 if delta.output is not None:
                     outputs[delta.index] = delta.output
-                    yield sse(reply.chunk(output=delta.output, index=delta.index))
+                    yield sse(reply.chunk(output=delta.output, index=delta.index, logprobs=delta.logprobs,
+                                          text_offset=offsets[delta.index]))
             if include_usage:
                 yield sse(reply.usage_chunk([outputs[i] for i in range(n)]))
         except Exception as exc:              # the reply has started: report in the stream, as OpenAI does

@@ -9,10 +9,12 @@ grammar | json_object}` (the same constraint as `response_format`; a 400 on an a
 A sampling field the request leaves out (temperature, top_p, top_k, min_p) takes the artifact's
 generation_config.json default, as in vLLM, else the OpenAI default.
 
+Log-probabilities (completions' `logprobs: k`, chat's `logprobs: true` + `top_logprobs: n`, at most the
+artifact's max_logprobs) come back in OpenAI's shapes, streamed chunks included (serve_logprobs.py).
+
 Every other field is refused with a 400 naming it, except IGNORED (harmless bookkeeping OpenAI clients
-send: `user`, `metadata`, ...) and the NEUTRAL ones when set to their neutral value (`logprobs: false`,
+send: `user`, `metadata`, ...) and the NEUTRAL ones when set to their neutral value (`best_of: 1`,
 `presence_penalty: 0`, ...): ignoring a field would hand the client an answer it did not ask for.
-`logprobs` is refused because the step graphs do not output the target's log-probabilities yet.
 
 Types are strict, as the Python API's are: a bool is not an int (`"max_tokens": true` is a 400), a string
 is not a bool (`"stream": "yes"`), a number field takes ints (`"temperature": 1`), an int field takes
@@ -35,8 +37,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from runtime.errors import InvalidRequestError
-from runtime.sampling_params import LOGPROBS_UNSUPPORTED, SamplingParams
-from runtime.sequence import RequestOutput
+from runtime.sampling_params import SamplingParams
+from runtime.sequence import RequestOutput, TokenLogprobs
+from unispec.serve_logprobs import choice_logprobs
 
 __all__ = ["APIError", "ChatRequest", "CompletionRequest", "Reply", "error_body"]
 
@@ -47,10 +50,9 @@ STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key")
 # field -> its neutral values; any other value is refused (see the module docstring)
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1), "echo": (None, False),
-    "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "audio": (None,), "modalities": (None, ["text"]),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "repetition_penalty": (None, 1), "logit_bias": (None, {}), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "audio": (None,), "modalities": (None, ["text"]),
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
 }
 # SamplingParams field (named in its errors) -> the request field a client set
@@ -207,7 +209,8 @@ class _Request(BaseModel):
                 max_tokens=self._max_tokens(default_max_tokens), temperature=chosen("temperature", 1.0),
                 top_p=chosen("top_p", 1.0), top_k=0 if top_k == -1 else top_k, min_p=chosen("min_p", 0.0),
                 seed=self.seed, n=1 if self.n is None else self.n, stop=tuple(stop),
-                stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, **self._constraint())
+                stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                logprobs=self.logprob_count(), **self._constraint())
         except InvalidRequestError as exc:
             raise APIError.from_invalid(exc, self.structured_param if "SamplingParams sets" in str(exc) else None) \
                 from None
@@ -251,10 +254,9 @@ class _Request(BaseModel):
             # (True == 1 in Python: a bool is neutral only where the list holds that bool)
             if name in NEUTRAL and not any(value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
                                            for neutral in NEUTRAL[name]):
-                why = LOGPROBS_UNSUPPORTED if "logprobs" in name else "unispec serve does not support it; leave it out"
                 shown = json.dumps(value)
                 raise APIError(400, f"{name}={shown if len(shown) <= 40 else shown[:37] + '...'} is not supported: "
-                               f"{why}", param=name, code="unsupported_field")
+                               "unispec serve does not support it; leave it out", param=name, code="unsupported_field")
 
     @property
     def include_usage(self) -> bool:
@@ -263,6 +265,10 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: Annotated[str | list[int] | list[str] | list[list[int]], BeforeValidator(_prompt_shape)]
+    logprobs: Int | None = None         # top log-probabilities per token (the sampled token's too)
+
+    def logprob_count(self) -> int | None:        # SamplingParams.logprobs (each request kind has its fields)
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (text or token ids); a list of several prompts is refused."""
@@ -299,6 +305,13 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = None
+    logprobs: bool | None = None        # each token's log-probability ...
+    top_logprobs: Int | None = None     # ... and the n most likely tokens beside it
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, f"top_logprobs={self.top_logprobs} needs logprobs: true; set it", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def _max_tokens(self, default: int) -> int:
         chosen = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -317,11 +330,13 @@ class Reply:
     with_token_ids: bool = False
     id: str = ""
     created: int = 0
+    logprobs: int | None = None         # top entries per token asked for (None: no logprobs)
 
     @classmethod
-    def new(cls, kind: Literal["completion", "chat"], model: str, with_token_ids: bool) -> Reply:
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return cls(kind, model, with_token_ids, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+    def new(cls, kind: Literal["completion", "chat"], model: str, with_token_ids: bool,
+            logprobs: int | None = None) -> Reply:
+        return cls(kind, model, with_token_ids, f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+                   int(time.time()), logprobs)
 
     def _envelope(self, choices: list[dict], streamed: bool) -> dict:
         obj = {"chat": "chat.completion", "completion": "text_completion"}[self.kind]
@@ -332,7 +347,8 @@ class Reply:
         """The non-streamed answer: one choice per completion (`n`), in order."""
         choices = []
         for index, output in enumerate(outputs):
-            choice: dict[str, Any] = {"index": index, "finish_reason": output.finish_reason, "logprobs": None}
+            choice: dict[str, Any] = {"index": index, "finish_reason": output.finish_reason,
+                                      "logprobs": choice_logprobs(self.kind, self.logprobs, output.logprobs)}
             if self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": output.text}
             else:
@@ -345,11 +361,11 @@ class Reply:
         return body
 
     def chunk(self, text: str | None = None, *, role: str | None = None, output: RequestOutput | None = None,
-              index: int = 0) -> dict:
-        """One streamed chunk of choice `index`: a text delta, the opening role (chat), or the closing
-        finish_reason."""
+              index: int = 0, logprobs: list[TokenLogprobs] | None = None, text_offset: int = 0) -> dict:
+        """One streamed chunk of choice `index`: a text delta (with its tokens' `logprobs`, their text from
+        `text_offset`), the opening role (chat), or the closing finish_reason."""
         choice: dict[str, Any] = {"index": index, "finish_reason": output.finish_reason if output else None,
-                                  "logprobs": None}
+                                  "logprobs": choice_logprobs(self.kind, self.logprobs, logprobs or None, text_offset)}
         if self.kind == "chat":
             choice["delta"] = {k: v for k, v in (("role", role), ("content", text)) if v is not None}
         else:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from export.step import spec_glue as spec
 from runtime import manifest as io
 
 LEADING_INPUTS = (io.TOKENS, io.ROW_OFFSETS, io.POSITIONS, io.CACHE_LENGTHS, io.BLOCK_TABLE, io.DRAFT_TOKENS)
@@ -35,6 +36,7 @@ class UnifiedStep(nn.Module):
     target_pool_names: tuple[str, ...]
     draft_pool_names: tuple[str, ...] = ()
     structured_output: bool = False
+    max_logprobs: int = io.DEFAULT_MAX_LOGPROBS   # N of top_logprobs; 0: no log-probability outputs
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -45,7 +47,8 @@ class UnifiedStep(nn.Module):
     @property
     def output_names(self) -> tuple[str, ...]:
         deltas = tuple(io.DELTA_OF_POOL[p] for p in self.target_pool_names + self.draft_pool_names)
-        return LEADING_OUTPUTS + (DRAFT_PROBS_OUTPUTS if self.k else ()) + deltas
+        logprobs = io.LOGPROB_OUTPUTS if self.max_logprobs else ()
+        return LEADING_OUTPUTS + (DRAFT_PROBS_OUTPUTS if self.k else ()) + deltas + logprobs
 
     @property
     def vocab_size(self) -> int:
@@ -64,6 +67,13 @@ class UnifiedStep(nn.Module):
 
     def step(self, f: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
+
+    def logprob_outputs(self, logits: torch.Tensor, drafts: torch.Tensor, verdict: spec.Verdict) -> tuple[torch.Tensor, ...]:
+        """The log-probability outputs (io.LOGPROB_OUTPUTS, last in `output_names`) of logits [B, K+1, V] and
+        drafts [B, K]; () when the step has none."""
+        if not self.max_logprobs:
+            return ()
+        return tuple(spec.token_logprobs(logits, drafts, verdict, self.max_logprobs))
 
     def run(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Named feeds -> named outputs (the reference loop's `RunStep`); a missing `draft_probs` is zeros

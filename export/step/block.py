@@ -89,7 +89,8 @@ class BlockStep(UnifiedStep):
         first = torch.where(chunk_next >= 0, chunk_next, verdict.next_tokens)          # [B]
         hidden = drafter.block_hidden(first, committed, cache)                         # [B, K, H]
         drafts, probs = spec.propose(drafter, hidden, f, 0, self.vocab_size)           # [B, K], [B, K, V]
-        return (verdict.num_accepted, verdict.next_tokens, drafts, probs, *target_deltas, *draft_rows)
+        return (verdict.num_accepted, verdict.next_tokens, drafts, probs, *target_deltas, *draft_rows,
+                *self.logprob_outputs(logits, f[io.DRAFT_TOKENS], verdict))
 
 
 __all__ = ["BlockDrafter", "BlockStep"]

@@ -129,7 +129,8 @@ class SequentialStep(UnifiedStep):
             cache = drafter.extend_cache(cache, rows, one_each[:-1], position)
             drafts.append(spec.propose(drafter, head_in, f, s, self.vocab_size))
         tokens, probs = (torch.cat(parts, dim=1) for parts in zip(*drafts))            # [B, K], [B, K, V]
-        return (verdict.num_accepted, verdict.next_tokens, tokens, probs, *target_deltas, *draft_rows)
+        return (verdict.num_accepted, verdict.next_tokens, tokens, probs, *target_deltas, *draft_rows,
+                *self.logprob_outputs(logits, f[io.DRAFT_TOKENS], verdict))
 
 
 class TargetOnlyStep(UnifiedStep):
@@ -151,7 +152,9 @@ class TargetOnlyStep(UnifiedStep):
     @classmethod
     def of(cls, step: UnifiedStep) -> TargetOnlyStep:
         """The target-only step of a speculative `step` (the same target module, its pools and sampling inputs)."""
-        return cls(step.target, structured_output=step.structured_output)
+        only = cls(step.target, structured_output=step.structured_output)
+        only.max_logprobs = step.max_logprobs          # the same log-probability outputs as the step's
+        return only
 
     def step(self, f: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         with _logit_rows(self.target, 1):
@@ -160,7 +163,8 @@ class TargetOnlyStep(UnifiedStep):
                 *[f[p] for p in self.target_pool_names])
         verdict = spec.verify(logits, f, structured=self.structured_output)
         no_drafts = f[io.DRAFT_TOKENS][:, :0]                                           # [B, 0]
-        return (verdict.num_accepted, verdict.next_tokens, no_drafts, *target_deltas)
+        return (verdict.num_accepted, verdict.next_tokens, no_drafts, *target_deltas,
+                *self.logprob_outputs(logits, no_drafts, verdict))
 
 
 @contextmanager

@@ -55,6 +55,35 @@ def verify(logits: torch.Tensor, f: Mapping[str, torch.Tensor], *, structured: b
     return Verdict(num_accepted, next_tokens)
 
 
+class TokenLogprobs(NamedTuple):
+    """The target's raw log-softmax (before temperature, truncation and grammar masks: vLLM's "raw_logprobs")
+    at each verified position j. The token emitted at j is draft j while j < num_accepted, next_tokens at
+    j == num_accepted; later positions hold values the host ignores."""
+
+    emitted: torch.Tensor   # [B, K+1] float32 log p of the emitted token
+    ranks: torch.Tensor     # [B, K+1] int64 its 1-based rank in the distribution (1 + tokens more likely)
+    top: torch.Tensor       # [B, K+1, N] float32 the N largest log p, descending
+    top_ids: torch.Tensor   # [B, K+1, N] int64 their token ids
+
+
+def token_logprobs(logits: torch.Tensor, drafts: torch.Tensor, verdict: Verdict, n: int) -> TokenLogprobs:
+    """logits [B, K+1, V] of the verified positions, drafts [B, K] (-1: none) -> TokenLogprobs with N = `n`.
+
+    LogSoftmax, GatherElements, TopK and a ReduceSum, all standard ONNX (TensorRT parses them). The rank
+    counts in float32 (exact below 2**24 tokens): TensorRT reduces floats everywhere, int64 not always.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)                                         # [B, K+1, V]
+    num_positions = logp.shape[1]
+    next_tokens = verdict.next_tokens[:, None]                                                # [B, 1]
+    candidates = torch.cat([drafts.clamp(min=0), next_tokens], dim=1)                        # [B, K+1]
+    at_next = torch.arange(num_positions, device=logp.device) == verdict.num_accepted[:, None]   # [B, K+1]
+    emitted_ids = torch.where(at_next, next_tokens, candidates)                              # [B, K+1]
+    emitted = logp.gather(-1, emitted_ids[..., None])                                        # [B, K+1, 1]
+    ranks = (logp > emitted).float().sum(dim=-1).long() + 1                                  # [B, K+1]
+    top, top_ids = logp.topk(n, dim=-1)                                                      # [B, K+1, N] each
+    return TokenLogprobs(emitted[..., 0], ranks, top, top_ids)
+
+
 def propose(drafter: nn.Module, head_in: torch.Tensor, f: Mapping[str, torch.Tensor], first: int,
             vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafts of P positions per row and the distributions they were drawn from.

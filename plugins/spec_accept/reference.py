@@ -19,7 +19,7 @@ Facts the op's users rely on:
   verdict is sample-and-match, which is lossless for any drafts.
 - The host advances a request's noise stream only on steps that produce its tokens (runtime/noise.py),
   so a seeded request gives the same tokens whatever else shares its batches.
-- model.ort.onnx gets `spec_accept_lazy`'s function instead (export/onnx_files.write_ort_graph): the same
+- model.ort.onnx gets `spec_accept_lazy`'s function instead (engines/ort/build.py lower_graph): the same
   math with an all-allowed mask's unpacking and the relaxed verdict behind Ifs that skip them when no row
   needs them; TensorRT-RTX cannot build those Ifs, so model.onnx keeps the flat one.
 """

@@ -1,22 +1,38 @@
-"""Backends by name, imported lazily: a machine without TensorRT never imports it (STYLE.md rule 8)."""
+"""Backends by name: the one registry the CLI (`--backend`), bench, serve and `LLM(backend=...)` read.
+
+A line names where the backend's runtime class lives and, when it derives graphs of its own from the
+portable ones ahead of time, its engines/<name> build entry (`build(artifact_dir, recipe) -> files`).
+Both are import paths, imported only when used: a machine without TensorRT never imports it (STYLE.md
+rule 8), and the runtime never imports `engines` (unispec/exporting.py runs the builds).
+"""
 
 from __future__ import annotations
 
 import importlib
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from runtime.backend import Backend
 from runtime.errors import UnispecError
-from runtime.manifest import Manifest
 
-__all__ = ["BACKENDS", "load_backend"]
+if TYPE_CHECKING:
+    from runtime.backend import Backend
+    from runtime.manifest import Manifest
 
-# name -> "module:class"; each class is built as Class(artifact_dir, manifest, num_blocks=..., **options)
-BACKENDS: dict[str, str] = {
-    "ort": "runtime.backends.ort:OrtBackend",
-    "trt": "runtime.backends.trt:TrtBackend",
+__all__ = ["BACKENDS", "BackendEntry", "load_backend"]
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    runtime: str                   # "module:Class", built as Class(artifact_dir, manifest, num_blocks=..., **options)
+    build: str | None = None       # "module:function" writing its graphs into an artifact (engines/<name>)
+    at_export: bool = False        # the build is cheap and needs no device: every export runs it (else `unispec build`)
+
+
+BACKENDS: dict[str, BackendEntry] = {
+    "ort": BackendEntry("runtime.backends.ort:OrtBackend", build="engines.ort:build", at_export=True),
+    "trt": BackendEntry("runtime.backends.trt:TrtBackend", build="engines.tensorrt:build"),
 }
 
 
@@ -24,7 +40,7 @@ def load_backend(name: str, artifact_dir: str | Path, manifest: Manifest, *, num
                  **options: Any) -> Backend:
     if name not in BACKENDS:
         raise UnispecError(f"unknown backend {name!r}; use one of {', '.join(BACKENDS)}")
-    module_name, cls = BACKENDS[name].split(":")
+    module_name, cls = BACKENDS[name].runtime.split(":")
     backend = getattr(importlib.import_module(module_name), cls)
     _check_options(name, backend, options)
     return backend(artifact_dir, manifest, num_blocks=num_blocks, **options)

@@ -38,6 +38,7 @@ __all__ = ["OrtBackend", "default_providers"]
 # Up to this many commit pairs (a decode step of a few rows) the KV is written run by run with slices: numpy's
 # fancy indexing costs more for so few (measured at batch 1, Llama 3 + Eagle3: 12.6 us per step, runs ~7 us)
 FEW_PAIRS = 32
+GRAPH_KEY = "ort"        # this backend's files in the manifest's graph map (written by engines/ort's build)
 _BFLOAT16_ONNX_TYPE = 16   # TensorProto.BFLOAT16: numpy has no native bfloat16 for ORT to recognise
 _ORT_TYPE_NAMES = {"float32": "float", "float16": "float16", "bfloat16": "bfloat16", "int64": "int64",
                    "int32": "int32", "bool": "bool"}
@@ -232,8 +233,9 @@ class _ShapeBindings:
 def _open_session(artifact_dir: Path, manifest: io.Manifest, graph: io.Manifest | io.TargetOnlyGraph,
                   providers: Sequence[str] | None, num_threads: int | None) -> Any:
     ort = _ort()
-    # ONNX Runtime's own copy of the graph when the artifact has one (functions inlined and folded at export).
-    model = artifact_dir / (graph.ort_model_file or graph.model_file)
+    # ONNX Runtime's own copy of the graph (engines/ort's lowering) when the artifact has one, else the portable one
+    files = manifest.graphs[io.TARGET_ONLY if isinstance(graph, io.TargetOnlyGraph) else io.STEP]
+    model = artifact_dir / files.get(GRAPH_KEY, files[io.PORTABLE])
     if not model.is_file():
         raise ArtifactError(f"{artifact_dir}: no {model.name}; the artifact is damaged, re-export it")
     if manifest.weights_file and not (artifact_dir / manifest.weights_file).is_file():
@@ -242,11 +244,14 @@ def _open_session(artifact_dir: Path, manifest: io.Manifest, graph: io.Manifest 
     _check_options(ort, providers, num_threads)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    model = _with_native_kernels(options, model, artifact_dir / graph.model_file)
+    model = _with_native_kernels(options, model, artifact_dir / files[io.PORTABLE])
+    # issues 38/40: linears this CPU's kernel variant loses on go back to ONNX Runtime's ops (bytes, or the path);
+    # chosen per artifact, so its target-only graph computes the target's logits as its step graph does
+    source = _kernels_for_isa(options, model, 1 + manifest.num_speculative_tokens)
     if num_threads is not None:
         options.intra_op_num_threads = num_threads
     try:
-        session = ort.InferenceSession(str(model), options, providers=list(providers or default_providers()))
+        session = ort.InferenceSession(source, options, providers=list(providers or default_providers()))
     except Exception as exc:   # ORT raises its own Fail / InvalidProtobuf / NoSuchFile classes
         raise _load_error(ort, exc, model) from None
     _check_io(session, graph, model)
@@ -271,6 +276,28 @@ def _with_native_kernels(options: Any, model: Path, portable: Path) -> Path:
         return portable
     options.register_custom_ops_library(str(library))
     return model
+
+
+def _kernels_for_isa(options: Any, model: Path, rows: int) -> str | bytes:
+    """`model`'s path, or its graph as bytes with the PackedLinears that this CPU's kernel variant does not run
+    at `rows` rows per request put back as ONNX Runtime's Gemm / MatMul (plugins/ort_cpu/choice.py). The
+    weights file is still read from beside `model` (ORT resolves a graph loaded from bytes against the folder
+    given below); nothing is written."""
+    import onnx
+
+    from plugins import ort_cpu
+    from plugins.ort_cpu import choice
+
+    try:
+        proto = onnx.load(str(model), load_external_data=False)
+        variant = ort_cpu.isa()
+    except Exception:              # unreadable, or the ISA refused: _with_native_kernels / ORT say so
+        return str(model)
+    if not any(o.domain == ort_cpu.DOMAIN for o in proto.opset_import) or \
+            not choice.revert_linears(proto, choice.for_variant(variant), rows):
+        return str(model)
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model.parent))
+    return proto.SerializeToString()
 
 
 def _uses_domain(model: Path, domain: str) -> bool:

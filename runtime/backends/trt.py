@@ -233,6 +233,15 @@ class TrtBackend:
         self._last = outputs
         return outputs
 
+    # TensorRT builds the step graph only (engines/build.py): without a target-only engine, every step speculates
+    has_target_only = False
+
+    def target_only_input_specs(self) -> tuple[io.TensorSpec, ...]:
+        return ()
+
+    def run_target_only(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise UnispecError("backend 'trt' has no target-only engine; run with speculation 'always' or 'auto'")
+
     def commit(self, outputs: Mapping[str, np.ndarray], slots: np.ndarray, rows: np.ndarray) -> None:
         """pool[slots // block_size, :, slots % block_size] = delta[rows], on the device, in stream order."""
         torch = self._torch

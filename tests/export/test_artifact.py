@@ -18,9 +18,11 @@ import onnx
 import pytest
 import torch
 
+from engines.ort.build import build as ort_build
+from engines.ort.build import lowered_name
 from export import artifact
 from export import target_only as target_only_files
-from export.artifact import export_model, read_artifact
+from export.artifact import read_artifact
 from export.methods import build_step
 from export.onnx_files import EXTERNAL_MIN_BYTES
 from export.tiny import write_tiny
@@ -29,6 +31,7 @@ from plugins.spec_accept.acceptance import NOISE_CHANNELS
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ExportError
 from runtime.manifest import Manifest
+from unispec.exporting import export_model
 
 K = 2
 THINK_START, THINK_END = 300, 301
@@ -76,7 +79,8 @@ def tree_digest(directory: Path) -> dict[str, str]:
 @pytest.mark.parametrize("method", ["none", "eagle3"])
 def test_files_pass_the_checker_with_external_weights(artifacts: dict[str, Path], method: str) -> None:
     path = artifacts[method]
-    target_only = [target_only_files.MODEL_NAME, target_only_files.ORT_MODEL_NAME] if method != "none" else []
+    only = target_only_files.MODEL_NAME
+    target_only = [only, lowered_name(only)] if method != "none" else []
     assert sorted(p.name for p in path.iterdir()) == sorted(
         [io.MODEL_NAME, io.ORT_MODEL_NAME, io.WEIGHTS_NAME, io.MANIFEST_NAME, "tokenizer.json",
          "tokenizer_config.json", "generation_config.json", *target_only])
@@ -138,8 +142,8 @@ def test_the_ort_graph_reads_the_pools_in_place_and_computes_the_same(artifacts:
     the exported attention; outputs equal torch's."""
     import onnxruntime as ort
 
+    from engines.ort.lowering import NATIVE_DOMAIN, NATIVE_OP
     from export.onnx_export import example_feeds
-    from export.ort_lowering import NATIVE_DOMAIN, NATIVE_OP
     from plugins import ort_cpu
 
     step = step_of("eagle3", checkpoints)
@@ -265,6 +269,39 @@ def test_reexport_replaces_an_existing_artifact(artifacts: dict[str, Path], chec
     onnx.checker.check_model(str(out / io.MODEL_NAME), full_check=True)
 
 
+def test_export_writes_portable_graphs_and_the_ort_build_lowers_them(artifacts: dict[str, Path],
+                                                                     checkpoints: dict[str, Path], tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 38: export/ writes the portable graphs only; engines.ort.build, run on the finished artifact,
+    lowers each one the manifest names and records it in the graph map, as `unispec export` has it done."""
+    reuse_trace(monkeypatch, artifacts["eagle3"])
+    out = artifact.export_model(checkpoints["target"], checkpoints["draft"], method="eagle3",
+                                num_speculative_tokens=K, out_dir=tmp_path / "art", progress=False)
+    assert not list(out.glob("*.ort.onnx"))
+    assert Manifest.load(out).graphs == {io.STEP: {io.PORTABLE: io.MODEL_NAME},
+                                         io.TARGET_ONLY: {io.PORTABLE: target_only_files.MODEL_NAME}}
+    assert ort_build(out) == [io.ORT_MODEL_NAME, lowered_name(target_only_files.MODEL_NAME), io.MANIFEST_NAME]
+    assert Manifest.load(out).graphs == Manifest.load(artifacts["eagle3"]).graphs
+    ops = lambda p: Counter(n.op_type for n in onnx.load(str(p), load_external_data=False).graph.node)  # noqa: E731
+    assert ops(out / io.ORT_MODEL_NAME) == ops(artifacts["eagle3"] / io.ORT_MODEL_NAME)
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]          # no temporary file left
+
+
+def test_a_failing_lowering_leaves_no_half_artifact(artifacts: dict[str, Path], checkpoints: dict[str, Path],
+                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lowerings run in export's staging directory: one that fails leaves nothing at --out."""
+    reuse_trace(monkeypatch, artifacts["none"])
+
+    def broken(directory: Path) -> list[str]:
+        (directory / "half.ort.onnx").write_bytes(b"half")
+        raise ExportError("the lowering failed")
+
+    with pytest.raises(ExportError, match="the lowering failed"):
+        export_model(checkpoints["target"], method="none", num_speculative_tokens=0, out_dir=tmp_path / "art",
+                     progress=False, lowerings=(broken,))
+    assert not list(tmp_path.iterdir())
+
+
 def test_refuses_to_replace_a_directory_that_is_not_an_artifact(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ExportError, match="is not a unispec artifact"):
@@ -317,7 +354,7 @@ def test_polygraphy_inspects_and_runs_an_artifact(artifacts: dict[str, Path], ch
 
 def test_the_ort_graph_is_inlined_smaller_and_shares_the_weights_file(artifacts: dict[str, Path]) -> None:
     path = artifacts["eagle3"]
-    assert Manifest.load(path).ort_model_file == io.ORT_MODEL_NAME
+    assert Manifest.load(path).graph_file(io.STEP, "ort") == io.ORT_MODEL_NAME
     full = onnx.load(str(path / io.MODEL_NAME), load_external_data=False)
     ort_graph = onnx.load(str(path / io.ORT_MODEL_NAME), load_external_data=False)
     assert not ort_graph.functions and not any(n.domain == "unispec" for n in ort_graph.graph.node)
@@ -334,7 +371,7 @@ def test_the_ort_graph_is_inlined_smaller_and_shares_the_weights_file(artifacts:
     flat = [f for f in full.functions if f.name == "SpecAccept"]
     assert flat and all({"Mod", "Softmax"} <= {n.op_type for n in f.node} for f in flat)
     assert not {"Mod", "Softmax"} & {n.op_type for n in ort_graph.graph.node}
-    # the speculative math runs as native kernels there (export/ort_sampling.py): the verdict and one draft
+    # the speculative math runs as native kernels there (engines/ort/sampling.py): the verdict and one draft
     # choice per draft step, the same nodes model.onnx has in the unispec domain
     native = Counter(n.op_type for n in ort_graph.graph.node if n.domain == ort_cpu.DOMAIN)
     exported = Counter(n.op_type for n in full.graph.node if n.op_type in ("SpecAccept", "SampleDraft"))
@@ -360,12 +397,14 @@ def test_the_target_only_graph_is_the_none_graph_over_the_same_weights(artifacts
     path, manifest = artifacts["eagle3"], Manifest.load(artifacts["eagle3"])
     only = manifest.target_only
     assert Manifest.load(artifacts["none"]).target_only is None
-    assert (only.model_file, only.ort_model_file) == (target_only_files.MODEL_NAME, target_only_files.ORT_MODEL_NAME)
+    files = manifest.graphs[io.TARGET_ONLY]
+    assert files == {io.PORTABLE: target_only_files.MODEL_NAME, "ort": lowered_name(target_only_files.MODEL_NAME)}
     assert [t.name for t in only.inputs] == [t.name for t in Manifest.load(artifacts["none"]).inputs]
-    assert [t.name for t in only.outputs] == [io.NUM_ACCEPTED, io.NEXT_TOKENS, io.NEXT_DRAFT_TOKENS, io.KV_DELTA]
-    for name in (only.model_file, only.ort_model_file):
+    assert [t.name for t in only.outputs] == [io.NUM_ACCEPTED, io.NEXT_TOKENS, io.NEXT_DRAFT_TOKENS, io.KV_DELTA,
+                                              *io.LOGPROB_OUTPUTS]
+    for name in files.values():
         graph = onnx.load(str(path / name), load_external_data=False).graph
         locations = {e.value for t in graph.initializer for e in t.external_data if e.key == "location"}
         assert locations == {io.WEIGHTS_NAME}
     ops = lambda p: sorted(n.op_type for n in onnx.load(str(p), load_external_data=False).graph.node)  # noqa: E731
-    assert ops(path / only.ort_model_file) == ops(artifacts["none"] / io.ORT_MODEL_NAME)
+    assert ops(path / files["ort"]) == ops(artifacts["none"] / io.ORT_MODEL_NAME)

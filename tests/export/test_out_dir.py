@@ -108,9 +108,9 @@ def test_an_artifact_is_replaced_whole_and_one_with_foreign_files_only_by_force(
 def test_a_speculative_artifact_with_its_target_only_graph_is_replaced_whole(tmp_path: Path) -> None:
     """Its target_only files were not among the manifest's files, so re-exporting onto it was refused."""
     manifest = make_manifest()
-    only = io.TargetOnlyGraph(model_file="target_only.onnx", ort_model_file="target_only.ort.onnx",
-                              inputs=manifest.inputs, outputs=manifest.outputs)
-    out = write_fake_artifact(tmp_path / "art", replace(manifest, target_only=only))
+    only = io.TargetOnlyGraph(inputs=manifest.inputs, outputs=manifest.outputs)
+    graphs = {**manifest.graphs, io.TARGET_ONLY: {io.PORTABLE: "target_only.onnx", "ort": "target_only.ort.onnx"}}
+    out = write_fake_artifact(tmp_path / "art", replace(manifest, target_only=only, graphs=graphs))
     for name in ("target_only.onnx", "target_only.ort.onnx"):
         (out / name).write_bytes(b"graph")
     assert plan_out_dir(out).mode == "replace"

@@ -1,4 +1,4 @@
-"""Weight-only RTN quantization (export/quantize.py) and its ORT lowering (export/ort_quant.py): the numbers,
+"""Weight-only RTN quantization (export/quantize.py) and its ORT lowering (engines/ort/quant.py): the numbers,
 the portable graph it writes, what ONNX Runtime makes of it, and, on a tiny exported pair, that speculation
 stays lossless against target-only decoding of the same quantized artifact."""
 
@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from export import ort_quant
+from engines.ort import quant as ort_quant
 from export.quantize import QMAX, QuantizeSettings, dequantize_blocks, quantize_blocks, quantize_graph
 from runtime.errors import ExportError
 
@@ -133,7 +133,7 @@ def test_the_pass_writes_blocked_int4_dequantize_and_ort_matches_numpy(lm_head: 
     head = dequantized("w_head", False) if lm_head else floats["w_head"]
     expected = np.tanh(floats["table"][ids] @ dequantized("w_up", True)) @ dequantized("w_down", True) @ head
     np.testing.assert_allclose(_run(model, {"ids": ids}, optimize=False)[0], expected, rtol=1e-4, atol=1e-4)
-    # ONNX Runtime fuses each DQ + MatMul into MatMulNBits (what export/ort_quant.py relies on); at accuracy
+    # ONNX Runtime fuses each DQ + MatMul into MatMulNBits (what engines/ort/quant.py relies on); at accuracy
     # level 0 it computes in float32 as the unfused graph does
     fused = _run(model, {"ids": ids}, accuracy_level="0", optimized=tmp_path / "fused.onnx")[0]
     ops = [n.op_type for n in onnx.load(str(tmp_path / "fused.onnx")).graph.node]
@@ -207,8 +207,8 @@ def test_pack_lays_codes_out_as_matmulnbits_reads_them() -> None:
 
 
 def test_the_ort_graph_optimizer_leaves_a_small_dequantize_for_onnx_runtime_to_fuse() -> None:
-    """write_ort_graph runs onnxscript's optimizer, which folds constants of up to 8192 elements: a DQ it
-    folded would turn a tiny model's weights back into float ones and hide the quantized path."""
+    """engines/ort/build.py's lower_graph runs onnxscript's optimizer, which folds constants of up to 8192
+    elements: a DQ it folded would turn a tiny model's weights back into float ones and hide the quantized path."""
     import onnx_ir as ir
     import onnxscript.optimizer
 
@@ -240,8 +240,8 @@ def test_a_step_quantizes_the_target_linears_target_only_does_when_its_head_read
     """Issue 35: the Transpose(W) head was no linear to `_heads`, so the step's last down_proj counted as a
     head and stayed float while target_only.onnx's was int4; DFlash's verify then disagreed with target-only
     decoding. Both graphs must quantize the same linears into the same bytes and, on ONNX Runtime (the step
-    as write_ort_graph lowers it), give bit-equal target logits: the step over 8 rows, target-only one row
-    at a time as decoding runs it."""
+    as engines/ort/build.py's lower_graph lowers it), give bit-equal target logits: the step over 8 rows,
+    target-only one row at a time as decoding runs it."""
     import onnx_ir as ir
 
     step, target_only = _dflash_pair()

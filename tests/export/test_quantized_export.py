@@ -20,9 +20,9 @@ PROMPTS = [[5, 17, 33, 64], [9, 8, 7, 6, 5, 4, 3], [100, 2]]
 
 
 def _export(case: str, root: Path, **quantize: object) -> Path:
-    from export.artifact import export_model
     from export.tiny import write_tiny
     from tests.runtime.artifacts import CASES, _k_for
+    from unispec.exporting import export_model
 
     family, method = CASES[case]
     paths = write_tiny(family=family, method=method, out_dir=root / "checkpoints", seed=0)

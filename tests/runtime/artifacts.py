@@ -95,9 +95,9 @@ def write_tokenizer(target_dir: Path, vocab_size: int) -> None:
 
 
 def make_artifact(case: str, root: Path, *, dtype: str = "float32") -> TinyArtifact:
-    from export.artifact import export_model
     from export.methods import build_step
     from export.tiny import write_tiny
+    from unispec.exporting import export_model
 
     family, method = {**CASES, **JSON_CASES}[case]
     structured = case in JSON_CASES

@@ -111,10 +111,11 @@ def test_the_graph_reader_finds_the_token_embedding(source, tiny_artifact) -> No
 
 def test_every_named_file_lies_inside_the_artifact(edited, tiny_artifact, tmp_path) -> None:
     elsewhere = tiny_artifact(CASE + JSON_SUFFIX).path / io.ORT_MODEL_NAME      # a real graph, outside
-    for field, value in (("ort_model_file", str(elsewhere)), ("ort_model_file", "../json/model.ort.onnx"),
-                         ("weights_file", "/etc/passwd"), ("model_file", "sub/model.onnx")):
-        message = refused(edited(lambda d, f=field, v=value: d.update({f: v})))
-        assert f"manifest: {field} is " in message and "a plain file name inside the artifact" in message
+    step = ("graphs", io.STEP)
+    for path, value in (((*step, "ort"), str(elsewhere)), ((*step, "ort"), "../json/model.ort.onnx"),
+                        (("weights_file",), "/etc/passwd"), ((*step, io.PORTABLE), "sub/model.onnx")):
+        message = refused(edited(lambda d, p=path, v=value: _put(d, p, v)))
+        assert f"manifest: {'.'.join(path)} is " in message and "a plain file name inside the artifact" in message
     assert "tokenizer.files[0]" in refused(edited(lambda d: d["tokenizer"].update(files=["../../x"])))
     assert "engine.plan" in refused(edited(lambda d: d.update(engine={"plan": "/etc/passwd"})))
     directory = edited(lambda d: d.update(weights_file="weights.bin"))
@@ -125,18 +126,18 @@ def test_every_named_file_lies_inside_the_artifact(edited, tiny_artifact, tmp_pa
 def test_the_target_only_graphs_lie_inside_the_artifact_too(edited, source, tmp_path) -> None:
     """Issue 39 item 3: a target_only path leading out of the artifact was loaded and run."""
     os.symlink(source, tmp_path / "outside")          # so "../outside/..." names a real, loadable graph
-    for field, value in (("ort_model_file", "../outside/target_only.ort.onnx"),
-                         ("model_file", str(source / "target_only.onnx")), ("model_file", None)):
-        message = refused(edited(lambda d, f=field, v=value: d["target_only"].update({f: v})))
-        assert message.startswith(f"manifest: target_only.{field} is ") and "expected a plain file name" in message
-    directory = edited(lambda d: d["target_only"].update(ort_model_file="linked.onnx"))
+    for key, value in (("ort", "../outside/target_only.ort.onnx"),
+                       (io.PORTABLE, str(source / "target_only.onnx")), (io.PORTABLE, None)):
+        message = refused(edited(lambda d, k=key, v=value: d["graphs"][io.TARGET_ONLY].update({k: v})))
+        assert message.startswith(f"manifest: graphs.target_only.{key} is ") and "expected a plain file name" in message
+    directory = edited(lambda d: d["graphs"][io.TARGET_ONLY].update(ort="linked.onnx"))
     os.symlink(source / "target_only.ort.onnx", directory / "linked.onnx")      # a plain name, linked out
     message = refused(directory)
-    assert message.startswith("manifest: target_only.ort_model_file names linked.onnx, which resolves to ")
+    assert message.startswith("manifest: graphs.target_only.ort names linked.onnx, which resolves to ")
     assert "outside the artifact directory" in message
     os.symlink("loop.onnx", directory / "loop.onnx")
-    message = refused(edited(lambda d: d["target_only"].update(model_file="loop.onnx")))
-    assert "target_only.model_file names loop.onnx, a symbolic link that loops back on itself" in message
+    message = refused(edited(lambda d: d["graphs"][io.TARGET_ONLY].update(portable="loop.onnx")))
+    assert "graphs.target_only.portable names loop.onnx, a symbolic link that loops back on itself" in message
 
 
 # --- issue 39 item 9c: an onnxruntime too old is not a damaged artifact ------------------------------------------
@@ -199,6 +200,12 @@ def test_pools_beyond_the_machine_are_refused_in_one_line(source) -> None:
     assert "more than this machine's" in one_line(info.value)
 
 
+def _put(d: dict[str, Any], path: tuple[str, ...], value: object) -> None:
+    for key in path[:-1]:
+        d = d[key]
+    d[path[-1]] = value
+
+
 # --- the fuzz: every manifest field -----------------------------------------------------------------------------
 
 VALUES = ("x", None, True, 0, -1, 10**30, [1], {"a": 1})
@@ -220,9 +227,9 @@ def mutations(d: dict[str, Any]) -> list[tuple[str, Any]]:
     for key in d:
         for value in VALUES:
             put((key,), value)
-    for key in ("model_file", "weights_file", "ort_model_file"):
-        for value in PATHS:
-            put((key,), value)
+    for path in (("weights_file",), ("graphs", io.STEP, io.PORTABLE), ("graphs", io.STEP, "ort")):
+        for value in (*PATHS, *VALUES):
+            put(path, value)
     for key in ("num_speculative_tokens", "block_size", "max_model_len", "max_batch_size",
                 "max_tokens_per_step", "vocab_size", "noise_channels"):
         put((key,), 2**24)                                  # in range for some, every one a large allocation

@@ -70,6 +70,16 @@ class Recorder:
     def input_specs(self) -> tuple[io.TensorSpec, ...]:
         return self.inner.input_specs()
 
+    @property
+    def has_target_only(self) -> bool:
+        return self.inner.has_target_only
+
+    def target_only_input_specs(self) -> tuple[io.TensorSpec, ...]:
+        return self.inner.target_only_input_specs()
+
+    def run_target_only(self, feeds):
+        return self.inner.run_target_only(feeds)
+
     def run(self, feeds):
         before = {n: p.copy() for n, p in self.pools.items()} if self.count in self.steps else None
         outputs = self.inner.run(feeds)

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from export.ort_lowering import NATIVE_DOMAIN
+from engines.ort.lowering import NATIVE_DOMAIN
 from runtime import manifest as io
 from tests.runtime.artifacts import CASES
 

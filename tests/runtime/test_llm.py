@@ -166,7 +166,7 @@ def test_damaged_artifacts_fail_in_one_line(damage: str, artifact, tmp_path) -> 
     elif damage == "bad json":
         (path / io.MANIFEST_NAME).write_text('{"method": "none",')
     elif damage == "no model":
-        (path / (manifest.get("ort_model_file") or io.MODEL_NAME)).unlink()
+        (path / manifest["graphs"][io.STEP].get("ort", io.MODEL_NAME)).unlink()
     elif damage == "no weights":
         if not manifest.get("weights_file"):
             manifest["weights_file"] = io.WEIGHTS_NAME            # an artifact that says it has them
@@ -375,5 +375,5 @@ def test_vllm_shapes_stop_token_ids_and_logprobs(llm: LLM) -> None:
     # as vLLM: the stop token ends token_ids, and its text is left out
     assert out.token_ids == full.token_ids[:i + 1] and out.finish_reason == "stop"
     assert out.text == llm.tokenizer.decode(full.token_ids[:i])
-    with pytest.raises(InvalidRequestError, match="log-probabilities"):
-        SamplingParams(logprobs=2)
+    with pytest.raises(InvalidRequestError, match="above this artifact's max_logprobs"):
+        llm.generate([prompt], SamplingParams(logprobs=99))

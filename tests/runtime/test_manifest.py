@@ -93,20 +93,48 @@ def test_load_refuses_what_is_not_a_manifest(tmp_path: Path) -> None:
 
 def test_every_file_field_is_a_plain_name_the_target_only_graphs_included() -> None:
     """Issue 39 item 3: target_only's files were the one file fields left unchecked ("../outside/x.onnx" ran)."""
-    only = io.TargetOnlyGraph(model_file="target_only.onnx", ort_model_file="target_only.ort.onnx",
-                              inputs=sample().inputs, outputs=sample().outputs)
-    manifest = replace(sample(), target_only=only, engine={"plan": "engine.plan"})
-    for field, value in (("ort_model_file", "../outside/model.ort.onnx"), ("ort_model_file", "/abs/x.onnx"),
-                         ("model_file", "sub/target_only.onnx"), ("model_file", None)):
+    only = io.TargetOnlyGraph(inputs=sample().inputs, outputs=sample().outputs)
+    graphs = {io.STEP: {io.PORTABLE: io.MODEL_NAME, "ort": io.ORT_MODEL_NAME},
+              io.TARGET_ONLY: {io.PORTABLE: "target_only.onnx", "ort": "target_only.ort.onnx"}}
+    manifest = replace(sample(), target_only=only, graphs=graphs, engine={"plan": "engine.plan"})
+    for key, value in (("ort", "../outside/model.ort.onnx"), ("ort", "/abs/x.onnx"),
+                       ("portable", "sub/target_only.onnx"), ("portable", None)):
         d = json.loads(manifest.to_json())
-        d["target_only"][field] = value
-        with pytest.raises(ArtifactError, match=rf"^manifest: target_only\.{field} is {re.escape(repr(value))}; "
+        d["graphs"][io.TARGET_ONLY][key] = value
+        with pytest.raises(ArtifactError, match=rf"^manifest: graphs\.target_only\.{key} is {re.escape(repr(value))}; "
                                                 "expected a plain file name inside the artifact directory"):
             Manifest.from_dict(d)
     assert [f for f, _ in io.named_files(manifest)] == [
-        "model_file", "weights_file", "ort_model_file", "target_only.model_file", "target_only.ort_model_file",
-        "tokenizer.files[0]", "engine.plan", "engine.settings"]
+        "graphs.step.portable", "graphs.step.ort", "graphs.target_only.portable", "graphs.target_only.ort",
+        "weights_file", "tokenizer.files[0]", "engine.plan", "engine.settings"]
     assert {"target_only.onnx", "target_only.ort.onnx"} <= set(io.artifact_files(manifest))   # replaced with it
+
+
+def test_manifests_naming_their_graphs_in_the_old_fields_still_load() -> None:
+    """Issue 38: the backend-named model_file / ort_model_file (top level and target_only) became the graph
+    map; artifacts already on disk read into it, and every backend finds its file there."""
+    only = io.TargetOnlyGraph(inputs=sample().inputs, outputs=sample().outputs)
+    graphs = {**sample().graphs, io.TARGET_ONLY: {io.PORTABLE: "target_only.onnx"}}
+    d = json.loads(replace(sample(), target_only=only, graphs=graphs).to_json())
+    del d["graphs"]
+    d.update(model_file="model.onnx", ort_model_file="model.ort.onnx")
+    d["target_only"].update(model_file="target_only.onnx", ort_model_file=None)
+    manifest = Manifest.from_dict(d)
+    assert manifest.graphs == {io.STEP: {io.PORTABLE: "model.onnx", "ort": "model.ort.onnx"},
+                               io.TARGET_ONLY: {io.PORTABLE: "target_only.onnx"}}
+    assert (manifest.model_file, manifest.graph_file(io.STEP, "ort")) == ("model.onnx", "model.ort.onnx")
+    assert manifest.graph_file(io.TARGET_ONLY, "ort") is None
+    del d["target_only"], d["model_file"], d["ort_model_file"]          # older still: model.onnx by default
+    assert Manifest.from_dict(d).graphs == {io.STEP: {io.PORTABLE: io.MODEL_NAME}}
+    assert "ort_model_file" not in json.loads(manifest.to_json())       # written back in the new form
+
+
+def test_the_graph_map_names_exactly_the_graphs_the_manifest_has() -> None:
+    only = io.TargetOnlyGraph(inputs=sample().inputs, outputs=sample().outputs)
+    with pytest.raises(ArtifactError, match=r"^manifest: graphs is .*; expected an object mapping step and target_only"):
+        replace(sample(), target_only=only)                    # its graph has no files
+    with pytest.raises(ArtifactError, match=r"^manifest: graphs is .*; expected an object mapping step to"):
+        replace(sample(), graphs={io.STEP: {"ort": io.ORT_MODEL_NAME}})      # no portable graph
 
 
 def test_specs_validate_dtypes_and_manifests_are_frozen() -> None:

@@ -90,7 +90,7 @@ def test_tiny_eagle3_pipeline_commits_the_target_distribution(tiny_artifact) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("pair", [("llama3-eagle3", "eagle3", 3), ("llama3-dflash", "dflash", 7)])
 def test_bundled_pairs_commit_the_target_distribution(tmp_path, pair) -> None:
-    from export.artifact import export_model
+    from unispec.exporting import export_model
 
     draft, method, k = pair
     out = export_model(MODELS / "llama3", MODELS / draft, method=method, num_speculative_tokens=k,

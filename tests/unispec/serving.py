@@ -29,7 +29,7 @@ MAX_BATCH = 16
 def export_bundled(out: Path) -> Path:
     """models/llama3 + models/llama3-dflash as a small dflash artifact (K = 7) with structured output and a
     chat template."""
-    from export.artifact import export_model
+    from unispec.exporting import export_model
 
     k = json.loads((MODELS / "llama3-dflash" / "config.json").read_text())["block_size"] - 1
     export_model(MODELS / "llama3", MODELS / "llama3-dflash", method="dflash", num_speculative_tokens=k,

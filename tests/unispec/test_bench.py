@@ -33,9 +33,9 @@ PROMPTS = ["the quick brown fox", "hello world, this is", '{"a": 7, "name": "ite
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Llama 3 + DFlash checkpoints with the test tokenizer, prompts.jsonl beside them, both artifacts."""
-    from export.artifact import export_model
     from export.tiny import write_tiny
     from tests.runtime.artifacts import write_tokenizer
+    from unispec.exporting import export_model
 
     root = tmp_path_factory.mktemp("bench")
     paths = write_tiny(family="llama3", method="dflash", out_dir=root / "checkpoints", seed=0)

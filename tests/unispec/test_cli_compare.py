@@ -19,8 +19,8 @@ from unispec.cli import main
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from export.artifact import export_model
     from export.tiny import write_tiny
+    from unispec.exporting import export_model
 
     root = tmp_path_factory.mktemp("compare")
     paths = write_tiny(family="llama3", method="eagle3", out_dir=root / "checkpoints", seed=0)
@@ -68,6 +68,16 @@ class _Skewed:
 
     def input_specs(self):
         return self.inner.input_specs()
+
+    @property
+    def has_target_only(self) -> bool:
+        return self.inner.has_target_only
+
+    def target_only_input_specs(self):
+        return self.inner.target_only_input_specs()
+
+    def run_target_only(self, feeds):
+        return self.inner.run_target_only(feeds)
 
     def run(self, feeds):
         outputs = dict(self.inner.run(feeds))

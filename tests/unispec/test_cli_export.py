@@ -46,8 +46,8 @@ def test_export_writes_a_bfloat16_structured_artifact(bf16_artifact: tuple[Resul
     assert result.stdout == f"artifact: {out}\n"
     stages = [line.split("  ")[0] for line in result.stderr.splitlines()]    # stderr is no terminal: lines
     assert stages == [f"[export] {stage}" for stage in ("read checkpoints", "built step", "traced step graph",
-                                                        "wrote weights", "checked graph, ORT graph",
-                                                        "wrote manifest", "done")]
+                                                        "wrote weights", "checked graph", "wrote manifest",
+                                                        "backend graphs", "done")]
     onnx.checker.check_model(str(out / io.MODEL_NAME), full_check=True)
     manifest = Manifest.load(out)
     assert (manifest.dtype, manifest.block_size, manifest.structured_output) == ("bfloat16", 8, True)

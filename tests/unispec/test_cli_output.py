@@ -42,8 +42,8 @@ def test_export_in_a_subprocess_prints_stage_lines_and_nothing_of_other_packages
     assert not [line for line in lines if any(word in line for word in FOREIGN)], done.stderr
     assert all(line.startswith("[export] ") and line.endswith(" s") for line in lines), done.stderr
     assert [line.split("  ")[0].removeprefix("[export] ") for line in lines] == [
-        "read checkpoints", "built step", "traced step graph", "wrote weights", "checked graph, ORT graph",
-        "wrote manifest", "done"]
+        "read checkpoints", "built step", "traced step graph", "wrote weights", "checked graph",
+        "wrote manifest", "backend graphs", "done"]
 
 
 def test_quiet_exporter_holds_back_the_exporters_lines_until_it_ends(caplog: pytest.LogCaptureFixture) -> None:

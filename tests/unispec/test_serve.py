@@ -152,7 +152,7 @@ def _post(url: str, path: str, body: bytes) -> tuple[int, dict]:
     ({"prompt": "a", "top_p": 0}, 400, "top_p", "top_p=0.0 is invalid"),
     ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens", "max_tokens=0 is invalid"),
     ({"prompt": "a", "n": 0}, 400, "n", "n=0 is invalid"),
-    ({"prompt": "a", "logprobs": 2}, 400, "logprobs", "log-probabilities"),
+    ({"prompt": "a", "logprobs": 99}, 400, "logprobs", "above this artifact's max_logprobs"),
     ({"prompt": "a", "frobnicate": 1, "best_of": 1}, 400, "frobnicate", "unknown or unsupported field `frobnicate`"),
     ({"prompt": "def f(): return 1 " * MAX_MODEL_LEN}, 400, "prompt", "max_model_len"),
     ({"prompt": [5000]}, 400, "prompt", "token ids must be ints in [0, 1024)"),

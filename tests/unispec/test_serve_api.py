@@ -1,7 +1,7 @@
 """The vLLM-shaped request fields of `unispec serve`, through the real openai client against a real server:
 `n` choices (completions and chat, streamed and not; choice i seeded seed + i, as LLM.generate does),
 `stop_token_ids`, vLLM's `guided_json` / `structured_outputs` (honoured), unknown fields (a 400 naming
-them) next to the harmless ones clients send (accepted), `logprobs` (a 400 that says why), and the
+them) next to the harmless ones clients send (accepted), `logprobs` past the artifact's bound (a 400), and the
 artifact's generation_config.json defaults for the sampling fields a request leaves out."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_vllm_structured_output_fields_are_honoured(client) -> None:
     ({"guided_choice": ["a", "b"]}, "guided_choice", "unknown or unsupported field `guided_choice`"),
     ({"frequency_penalty": 0.5}, "frequency_penalty", "frequency_penalty=0.5 is not supported"),
     ({"best_of": 2, "whatever": 1, "other": 2}, "whatever", "fields `whatever`, `other`"),
-    ({"logprobs": 1}, "logprobs", "do not output the target's log-probabilities"),
+    ({"logprobs": 99}, "logprobs", "above this artifact's max_logprobs"),
     ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_json", "sets guided_json and guided_regex"),
     ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs", "Extra inputs are not permitted"),
 ])
@@ -108,8 +108,8 @@ def test_harmless_fields_clients_send_are_accepted(client) -> None:
         extra_body={"skip_special_tokens": True})
     assert reply.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True)
-    assert "log-probabilities" in refused.value.body["message"]
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+    assert "needs logprobs: true" in refused.value.body["message"]
 
 
 def test_generation_config_defaults_fill_what_a_request_leaves_out(client, llm) -> None:

@@ -70,7 +70,7 @@ class TargetKV(NamedTuple):
 class PagedKV:
     """One attention type's target K/V as a step graph holds them: `cache`, the gathered layer with this
     step's rows written in, which attention reads (ONNX Runtime's lowering reads the pool in place instead,
-    export/ort_lowering.py), and what `row_at` needs to read one slot per row without that copy."""
+    engines/ort/lowering.py), and what `row_at` needs to read one slot per row without that copy."""
 
     cache: torch.Tensor        # [B, P, W]
     pool: torch.Tensor         # [num_blocks, L, block_size, W]

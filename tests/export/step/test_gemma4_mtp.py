@@ -71,7 +71,7 @@ def test_step_exports_and_onnxruntime_agrees(spec3, tmp_path) -> None:
 def test_graph_has_no_draft_pool_and_shares_the_target_embedding(spec3) -> None:
     assert "draft_kv_pool" not in spec3.input_names
     assert spec3.output_names == ("num_accepted", "next_tokens", "next_draft_tokens", "next_draft_probs", "kv_delta",
-                                  "full_kv_delta")
+                                  "full_kv_delta", "emitted_logprobs", "emitted_ranks", "top_logprobs", "top_logprob_ids")
     assert set(spec3.pool_shapes()) == {"kv_pool", "full_kv_pool"}
     assert spec3.drafter.target_embed.weight is spec3.target.embed_tokens.weight
 

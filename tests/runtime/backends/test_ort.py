@@ -206,7 +206,7 @@ def _one_line_error(path) -> str:
 
 def test_damaged_artifacts_fail_in_one_line(artifact, tmp_path) -> None:
     path = _copy(artifact, tmp_path)
-    graph = Manifest.load(path).ort_model_file or io.MODEL_NAME      # the file ORT runs
+    graph = Manifest.load(path).graph_file(io.STEP, "ort") or io.MODEL_NAME      # the file ORT runs
     (path / graph).write_bytes(b"not a protobuf at all")
     assert "cannot load" in _one_line_error(path)
     (path / graph).unlink()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from export.ort_lowering import replace_node
+from engines.ort.lowering import replace_node
 from plugins import ort_cpu
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ Both ways there run that kernel:
   MatMulNBits itself when it loads the graph (checked for 1.32 by tests/export/test_quantize.py), at the
   `session.qdq_matmulnbits_accuracy_level` of the session's config (default 4: activations quantized to int8
   per block, VNNI dot products). The graph keeps referencing the artifact's int4/int8 bytes; nothing is
-  stored twice. onnxscript's optimizer (write_ort_graph) never folds a DequantizeLinear, and
-  export/ort_linear.py takes only float initializer weights, so both leave the pair be.
+  stored twice. onnxscript's optimizer (engines/ort/build.py lower_graph) never folds a DequantizeLinear, and
+  engines/ort/linear.py takes only float initializer weights, so both leave the pair be.
 - **`lower`** writes MatMulNBits into the graph, `accuracy_level` (default 4, as ORT's fusion) an attribute,
   for the weights ORT 1.32 does not fuse: one read by several MatMuls (a drafter unrolled over K draft steps;
   the optimizer's CSE gives its uses one DQ, and ORT fuses only a DQ whose codes nothing else reads) and a
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from export.ort_lowering import replace_node
+from engines.ort.lowering import replace_node
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -86,7 +86,7 @@ def lower(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL, *, ever
 def _bypass_scale_identities(graph: ir.Graph) -> None:
     """Each DQ reads its scales from their initializer again. export/quantize.py passes a later use of a
     weight's scales through an Identity of its own, for TensorRT-RTX; onnxscript's optimizer has already
-    removed them in write_ort_graph, a graph lowered unoptimized still has them."""
+    removed them in lower_graph (build.py), a graph lowered unoptimized still has them."""
     for node in list(graph):
         source = node.inputs[0] if node.op_type == "Identity" and node.inputs else None
         if source is None or not source.is_initializer() or node.outputs[0].is_graph_output():

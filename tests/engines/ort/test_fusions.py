@@ -1,4 +1,4 @@
-"""export/ort_fusions.py: RoPE and reshaping round trips in model.ort.onnx rewritten into fewer nodes, on graphs
+"""engines/ort/fusions.py: RoPE and reshaping round trips in model.ort.onnx rewritten into fewer nodes, on graphs
 exported from small torch modules spelled as the architectures spell them; the rewritten graph must compute
 what the exported one does, and look-alikes the fused op would get wrong must keep their nodes."""
 
@@ -14,7 +14,7 @@ import onnxscript.optimizer
 import pytest
 import torch
 
-from export import ort_fusions
+from engines.ort import fusions as ort_fusions
 
 HEADS, DIM = 3, 8
 
@@ -76,7 +76,8 @@ def ops(model: ir.Model) -> Counter:
 
 
 def fuse_then_optimize(model: ir.Model) -> dict[str, int]:
-    """What write_ort_graph runs: the fusions (how many of each fired), then onnxscript's optimizer."""
+    """What engines/ort/build.py's lower_graph runs: the fusions (how many of each fired), then onnxscript's
+    optimizer."""
     fired = ort_fusions.fuse(model)
     onnxscript.optimizer.optimize_ir(model)
     return fired

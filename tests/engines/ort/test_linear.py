@@ -1,4 +1,4 @@
-"""export/ort_linear.py: model.ort.onnx's linear layers moved to unispec.cpu::PackedLinear. A graph with
+"""engines/ort/linear.py: model.ort.onnx's linear layers moved to unispec.cpu::PackedLinear. A graph with
 every kind of Gemm / MatMul the exporter writes, and look-alikes the packed kernel does not compute (a bias,
 alpha, a computed, batched or overridable weight, float16): exactly the eligible ones move, and the graph computes what
 it did before, graph outputs keeping their names."""
@@ -13,7 +13,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from export import ort_linear
+from engines.ort import linear as ort_linear
 from plugins import ort_cpu
 
 RNG = np.random.default_rng(3)

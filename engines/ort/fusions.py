@@ -287,7 +287,7 @@ RULES = pattern.RewriteRuleSet([_RotateHalfRope.rule(), _ConcatThenSplit.rule(),
 
 def fuse(model: ir.Model) -> dict[str, int]:
     """Apply the rules in place; how many RoPEs, stacked taps and residual norms were fused and Splits
-    dropped (the Identity nodes the rules leave are removed by onnxscript's optimizer, which write_ort_graph
+    dropped (the Identity nodes the rules leave are removed by onnxscript's optimizer, which lower_graph
     runs next)."""
     from onnxscript.rewriter import rewrite
 

@@ -1,4 +1,4 @@
-"""export/ort_lowering.py: which PagedAttention nodes become the in-place kernel, measured by probing the
+"""engines/ort/lowering.py: which PagedAttention nodes become the in-place kernel, measured by probing the
 chain that builds their caches; exported from small torch modules shaped like the real step's attention."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import plugins
+from engines.ort.lowering import NATIVE_DOMAIN, NATIVE_OP, NATIVE_ROWS_OP, PoolRead, find_pool_reads, lower
 from export.archs.common import gather_pool, scatter_rows
-from export.ort_lowering import NATIVE_DOMAIN, NATIVE_OP, NATIVE_ROWS_OP, PoolRead, find_pool_reads, lower
 from plugins import ort_cpu
 from plugins.paged_attention.op import paged_attention
 from plugins.paged_mla.op import paged_mla

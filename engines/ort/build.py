@@ -1,0 +1,103 @@
+"""`engines.ort.build`: every portable graph of an artifact lowered for ONNX Runtime's CPU backend.
+
+  manifest.json graphs ─▶ step.portable        model.onnx       ─lower_graph─▶ model.ort.onnx        step.ort
+                          target_only.portable target_only.onnx ─lower_graph─▶ target_only.ort.onnx  target_only.ort
+
+Each lowered graph references its portable graph's external weights files (nothing is copied), so an
+artifact grows by the graph files only. `unispec export` runs this inside its staging directory (the
+artifact appears complete or not at all); run on a finished artifact, every file is written under a
+temporary name and renamed, the manifest last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from runtime import manifest as io
+
+__all__ = ["BACKEND", "build", "lower_graph", "lowered_name"]
+
+BACKEND = "ort"                   # its name in runtime/backends BACKENDS and in the manifest's graph map
+SUFFIX = ".ort.onnx"
+# libraries whose notes while optimizing (onnx_ir's initializer deduplication, per If branch) need nothing done
+_QUIET_LOGGERS = ("onnxscript", "onnx_ir", "onnx")
+
+
+def build(artifact_dir: str | Path, recipe: object | None = None) -> list[str]:
+    """Lower every portable graph the manifest names into its `.ort.onnx`, record them in the manifest's
+    graph map; returns the file names written (the manifest last). `recipe` is taken for the signature every
+    engines/<backend> build shares: the ORT lowering has no settings (each rewrite applies where it is exact)."""
+    directory = Path(artifact_dir)
+    manifest = io.Manifest.load(directory)
+    lowered = {graph: lowered_name(files[io.PORTABLE]) for graph, files in manifest.graphs.items()}
+    for graph, name in lowered.items():
+        lower_graph(directory, name, source=manifest.graphs[graph][io.PORTABLE])
+    graphs = {graph: {**files, BACKEND: lowered[graph]} for graph, files in manifest.graphs.items()}
+    _replace(directory / io.MANIFEST_NAME,
+             lambda tmp: tmp.write_text(dataclasses.replace(manifest, graphs=graphs).to_json() + "\n"))
+    return [*lowered.values(), io.MANIFEST_NAME]
+
+
+def lowered_name(portable: str) -> str:
+    """model.onnx -> model.ort.onnx (the lowered graph sits beside its portable graph)."""
+    return portable.removesuffix(".onnx") + SUFFIX
+
+
+def lower_graph(directory: Path, name: str, source: str = io.MODEL_NAME) -> None:
+    """`name` beside `source`: its custom-op functions inlined and the graph optimized (onnxscript), for ONNX
+    Runtime. ORT would inline the functions itself but cannot fold their shape arithmetic once they are
+    inlined; this removes ~10% of the nodes a step runs. SpecAccept's body is its lazy reference
+    (plugins/spec_accept/reference.py: no unpacking of an all-allowed bitmask, no relaxed verdict when no
+    row is thinking), or, for float32 logits, it and SampleDraft run native kernels (sampling.py).
+    Attention that reads a float32 pool first becomes unispec's in-place CPU kernel (lowering.py), RoPE and
+    a few reshaping round trips are fused (fusions.py), and the linear layers run unispec's packed GEMM
+    (linear.py) or, quantized, MLAS's MatMulNBits (quant.py)."""
+    import onnx
+    import onnx_ir as ir
+    import onnxscript.optimizer
+
+    import plugins
+    from engines.ort import fusions, linear, lowering, quant, sampling
+
+    model = ir.load(directory / source)
+    sampling.lower(model)
+    plugins.attach_ort_functions(model)
+    lowering.lower(model, lowering.find_pool_reads(onnx.load(str(directory / source), load_external_data=False)))
+    fusions.fuse(model)
+    with _quiet():
+        onnxscript.optimizer.optimize_ir(model)
+    quant.lower(model)          # DQ + MatMul that ONNX Runtime would not fuse into MatMulNBits itself
+    linear.lower(model)
+    _replace(directory / name, lambda tmp: ir.save(model, tmp))
+
+
+def _replace(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(tmp)` a hidden sibling of `path`, then rename it over `path`: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """The optimizer's libraries log errors only and show no warning (their notes need nothing done)."""
+    loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -1,0 +1,129 @@
+"""Which native kernels each instruction-set variant runs: a kernel runs only where it was measured to beat the
+ONNX Runtime op it replaces on that ISA (issues 38/40); elsewhere the session keeps ONNX Runtime's op. Chosen
+at session creation by the variant this CPU runs (variants.current(), from its CPUID flags).
+
+PackedLinear is the one kernel ever put back: `PackedLinear(x, W, trans_b)` is `Gemm(x, W, transB=1)` /
+`MatMul(x, W)` / `MatMul(x, Transpose(W))` over the same initializer, the lowering's exact inverse. The paged
+attention and sampling kernels replace subgraphs that model.ort.onnx no longer holds, and they won at every
+shape measured (0.03-0.66x ONNX Runtime's time on AVX2 and AVX-512), so they always run.
+
+Measured with benchmarks/kernels_isa.py and benchmarks/packed_linear.py (one intra-op thread, interleaved,
+medians of per-repeat ratios; table in docs/notes/cpu-kernels.md) on an AVX-512 machine, where ONNX Runtime's
+own MLAS runs AVX-512 even for the avx2 build: a stricter bar than an AVX2 CPU sets, so where the avx2
+kernel wins here it wins there too, and where it loses here ONNX Runtime's op is kept (conservative).
+PackedLinear's ratio against MLAS, weights of the bundled Llama 3 (<= 0.5 MB) / 4-64 MB (h1024, Llama 3.2 1B):
+
+    variant   1 row              4 rows             8 rows        -> PackedLinear where
+    avx512    1.08 / 1.12-1.15   0.97 / 0.74-0.78   0.84 / 0.70   2+ rows, weights >= 1 MiB
+    avx2      0.87 / 0.88-0.97   1.06 / 0.69-0.88   1.11 / 1.07   1-4 rows, weights >= 1 MiB
+    portable  (its plain loop is not tuned, not measured)           never
+
+(layer chains, kernels_isa.py; single weights, packed_linear.py: small ones 0.94-1.04 on AVX-512 at 2-8 rows,
+par, so kept on ONNX Runtime; the 4 MB kv projection 0.38-0.57 at every row count.)
+
+Rows per request of a graph's step: 1 for `none` and target-only graphs, K + 1 for a speculative step (its
+target verifies K drafts); decided for a batch of one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import onnx
+
+DOMAIN = "unispec.cpu"
+_FLOAT = 1                        # TensorProto.FLOAT: PackedLinear's weights are float32 (engines/ort/linear.py)
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    """Where one variant runs PackedLinear: steps of `min_rows`..`max_rows` rows per request, float32 weights
+    of at least `min_weight_bytes`; `max_rows` 0: never."""
+
+    min_rows: int = 1
+    max_rows: int = 0
+    min_weight_bytes: int = 0
+
+    def packed_linear(self, rows: int, weight_bytes: int) -> bool:
+        return self.min_rows <= rows <= self.max_rows and weight_bytes >= self.min_weight_bytes
+
+    def describe(self) -> str:
+        if self.max_rows < self.min_rows:
+            return "ONNX Runtime's Gemm/MatMul for every linear"
+        rows = f"{self.min_rows}+" if self.max_rows >= _ANY_ROWS else f"{self.min_rows}-{self.max_rows}"
+        size = f", weights >= {self.min_weight_bytes / MIB:g} MiB" if self.min_weight_bytes else ""
+        return f"PackedLinear at {rows} rows per request{size} (else ONNX Runtime's Gemm/MatMul)"
+
+
+_ANY_ROWS = 1 << 30
+CHOICES: dict[str, Choice] = {
+    "avx512": Choice(min_rows=2, max_rows=_ANY_ROWS, min_weight_bytes=MIB),
+    "avx2": Choice(min_rows=1, max_rows=4, min_weight_bytes=MIB),
+    "portable": Choice(),
+}
+
+
+def for_variant(variant: str) -> Choice:
+    """The choice of `variant` (variants.py's names); a variant without a row here runs no PackedLinear."""
+    return CHOICES.get(variant, Choice())
+
+
+def describe(variant: str) -> str:
+    """One line for reports: which native kernels `variant` runs."""
+    return f"{variant}: {for_variant(variant).describe()}; paged attention, SpecAccept, SampleDraft native"
+
+
+def describe_current() -> str:
+    """describe() of the variant this process runs, or why this CPU cannot run the one asked for."""
+    from plugins.ort_cpu import variants
+
+    try:
+        return describe(variants.current().name)
+    except variants.IsaError as exc:
+        return str(exc)
+
+
+def revert_linears(model: onnx.ModelProto, choice: Choice, rows: int) -> int:
+    """Puts back, in place, every PackedLinear of `model`'s main graph that `choice` does not run at `rows`
+    rows per request as the ONNX op the lowering replaced (same inputs, outputs and weight initializer).
+    Returns how many were put back."""
+    graph = model.graph
+    weights = {w.name: w for w in graph.initializer}
+    # x's rank: Gemm takes only 2-D inputs, so another rank (or none recorded) gets MatMul over Transpose(W)
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*graph.input, *graph.value_info)
+             if v.type.tensor_type.HasField("shape")}
+    nodes, reverted = [], 0
+    for node in graph.node:
+        weight = weights.get(node.input[1]) if _is_packed_linear(node) else None
+        if weight is None or weight.data_type != _FLOAT or choice.packed_linear(rows, 4 * math.prod(weight.dims)):
+            nodes.append(node)
+            continue
+        nodes += _onnx_linear(node, ranks.get(node.input[0]))
+        reverted += 1
+    if reverted:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return reverted
+
+
+def _is_packed_linear(node: onnx.NodeProto) -> bool:
+    return node.domain == DOMAIN and node.op_type == "PackedLinear" and len(node.input) == 2
+
+
+def _onnx_linear(node: onnx.NodeProto, x_rank: int | None) -> list[onnx.NodeProto]:
+    """The ONNX node(s) computing `node`'s PackedLinear: what engines/ort/linear.py replaced."""
+    from onnx import helper
+
+    x, weight = node.input
+    trans_b = next((a.i for a in node.attribute if a.name == "trans_b"), 1)
+    if not trans_b:
+        return [helper.make_node("MatMul", [x, weight], list(node.output), name=node.name)]
+    if x_rank == 2:
+        return [helper.make_node("Gemm", [x, weight], list(node.output), name=node.name, transB=1)]
+    transposed = f"{node.output[0]}/weight_transposed"
+    return [helper.make_node("Transpose", [weight], [transposed], name=f"{node.name}/transpose", perm=[1, 0]),
+            helper.make_node("MatMul", [x, transposed], list(node.output), name=node.name)]
