@@ -10,14 +10,9 @@ Shapes (fp32, random weights from torch seed 0, Llama 3 layout, head_dim 64, voc
     h1024    hidden 1024, 16 layers, 16:4 heads, MLP 2816     ~246M params
     1b       hidden 2048, 22 layers, 32:8 heads, MLP 5632     ~1.1B params (TinyLlama-1.1B's shape)
 
-What is built once per shape and kept in --cache-dir/<shape> (default ~/.cache/unispec/realistic):
-`checkpoint/` (LlamaForCausalLM.save_pretrained, safetensors), `unispec-none/` (`unispec export --method none
---max-model-len 2048 --max-batch-size 1`) and `ort-genai/<hash>/` (its model builder, fp32 cpu, through
-unispec/bench_peers.py). A shape whose checkpoint config no longer matches the table is rebuilt from scratch.
-The tokenizer is models/llama3's (1024 tokens) while the checkpoints' vocab_size is 32000: unispec export,
-the ort-genai builder and transformers all size the embedding and lm_head from config.json and never check
-the tokenizer's size, so prompts are random ids in [3, 1024) (0-2 are its special tokens) and the 32000-row
-lm_head is read in full every step, as a real model's would be.
+Built once per shape in --cache-dir/<shape> (default ~/.cache/unispec/realistic): the checkpoint, the
+`unispec export --method none` artifact and onnxruntime-genai's fp32 cpu build. Prompts are random ids of the
+bundled tokenizer's range; the 32000-row lm_head is read in full every step, as a real model's would be.
 
 How a context C is measured, per engine (every engine with one intra-op thread; torch too):
 prefill a C-token prompt (untimed), run decode step 0 (untimed: it warms the shapes up, and unispec's feeds
@@ -36,17 +31,10 @@ their medians reported, so a neighbour's load that hits one repeat hits every en
                   timed steps, C + (N + 1) / 2 tokens; bandwidth is the best of 5 runs of numpy's max and
                   torch's sum (one thread) over a 1 GiB float32 array. No engine can beat it on one thread;
                   x bound says how far each one is from it
-    8/1 graph     unispec only: one 8-token step over a row with C cached tokens / a 1-token step at the same
-                  C, graph only. The decode step 0 feeds the Engine built are replayed through backend.run
-                  (nothing committed, so both see the same pools), with tokens/positions/row_offsets widened
-                  to 8 new tokens; 1- and 8-token runs alternate, 5 each per repeat, medians. With method none
-                  this is exactly a prefill chunk of 8 tokens: the target forward of an 8-token verify step
-                  except that only the last position's logits are computed (a verify step computes 8 rows of
-                  the lm_head matmul; the weights are read once either way). Goal: <= 1.8.
+    8/1 graph     unispec only: one 8-token step / a 1-token step at the same C, graph only (the decode
+                  step 0 feeds replayed through backend.run, nothing committed); goal <= 1.8.
 
-Memory: all three engines of a shape are loaded at once (interleaving needs them), each holding its own fp32
-weights: ~1 GB each for h1024, ~4.4 GB each for 1b (~15 GB in all). Exporting 1b takes several GB more for a
-while, in a subprocess that gives them back.
+Memory: the three engines of a shape are loaded at once (~15 GB for 1b).
 """
 
 from __future__ import annotations
