@@ -94,3 +94,14 @@ def test_the_size_rule_counts_the_native_sources() -> None:
 def test_the_checker_sees_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+MAX_DOCSTRING_LINES = 40      # a module docstring keeps the rule and one line of why; history goes to docs/notes
+
+
+def test_no_module_docstring_over_40_lines() -> None:
+    files = {**_modules(), **{str(p.relative_to(ROOT)): p for p in (ROOT / "benchmarks").glob("*.py")}}
+    long = {name: n for name, path in files.items()
+            if (doc := ast.get_docstring(ast.parse(path.read_text()), clean=False))
+            and (n := doc.count("\n") + 1) > MAX_DOCSTRING_LINES}
+    assert not long, long
