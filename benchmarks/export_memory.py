@@ -1,6 +1,7 @@
 """Benchmark (not a test): peak memory and time of `unispec export` against checkpoint size and depth.
 
-    .venv/bin/python benchmarks/export_memory.py [--cases 1b,ds-4l,ds-61l] [--work DIR] [--json]
+    .venv/bin/python benchmarks/export_memory.py [--cases 1b,ds-4l,8b-eagle3:int4] [--work DIR] [--json]
+        [--dtype bfloat16] [--checkpoint-dtype bfloat16] [--keep-artifacts]
 
 Each case writes a random-weight checkpoint in code (bf16 safetensors, the real config fields incl.
 llama3 RoPE scaling; keys and shapes from transformers' own classes built on the meta device, so nothing
@@ -12,6 +13,13 @@ removed after each case.
   *-eagle3       the same target + an Eagle3 head of its shape (one MHA layer, draft vocab 32000)
   ds-4l / ds-61l DeepSeek-V3 shape at depth 4 / 61 (first 3 dense, MoE after, MLA; widths reduced) +
                  its MTP layer; method none (ds-*-mtp: method mtp)
+  <case>:int4    the same, exported with `--quantize int4` (or :int8): weights quantized one at a time
+
+--dtype is the export's (bfloat16: every weight a zero-copy view of the checkpoint; ONNX Runtime's CPU
+provider runs float16 / float32 only, so an artifact meant to run there takes --dtype float16 with
+--checkpoint-dtype float16: a cast would copy every weight). The budget is issue 36's: 0.25 x checkpoint
++ 1.5 GB for 8B shapes, 0.4 x checkpoint + 1.5 GB otherwise. --keep-artifacts keeps each artifact (the
+checkpoints still go) for `unispec inspect` / `unispec run`.
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ DEEPSEEK_V3 = dict(
                   "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
 )
 EAGLE3_DRAFT_VOCAB = 32000
+BUDGET_PER_CHECKPOINT = {"8b": 0.25}          # issue 36; other shapes 0.4
+CHECKPOINT_DTYPES = {"bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16")}
 
 
 @dataclass(frozen=True)
@@ -71,16 +81,22 @@ class Case:
     shape: str           # LLAMAS key, or the DeepSeek depth
     method: str
     eagle3: bool = False
+    quantize: str = "none"
 
 
 def parse_case(name: str) -> Case:
-    base, _, suffix = name.partition("-")
+    shape, _, quantize = name.partition(":")
+    if quantize not in ("", "int4", "int8"):
+        raise SystemExit(f"unknown quantization {quantize!r} in case {name!r}: use :int4 or :int8")
+    quantize = quantize or "none"
+    base, _, suffix = shape.partition("-")
     if base in LLAMAS and suffix in ("", "eagle3"):
-        return Case(name, "llama", base, "eagle3-mha" if suffix else "none", eagle3=bool(suffix))
-    deepseek = re.fullmatch(r"ds-(\d+)l(-mtp)?", name)
+        return Case(name, "llama", base, "eagle3-mha" if suffix else "none", eagle3=bool(suffix), quantize=quantize)
+    deepseek = re.fullmatch(r"ds-(\d+)l(-mtp)?", shape)
     if deepseek:
-        return Case(name, "deepseek", deepseek[1], "mtp" if deepseek[2] else "none")
-    raise SystemExit(f"unknown case {name!r}: use 1b, 3b, 8b (optionally -eagle3) or ds-<layers>l[-mtp]")
+        return Case(name, "deepseek", deepseek[1], "mtp" if deepseek[2] else "none", quantize=quantize)
+    raise SystemExit(f"unknown case {name!r}: use 1b, 3b, 8b (optionally -eagle3) or ds-<layers>l[-mtp], "
+                     "each optionally :int4 or :int8")
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------------
@@ -92,37 +108,45 @@ def meta_shapes(model_class: type, config: Any) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def random_chunks(shape: tuple[int, ...], gen: torch.Generator) -> Iterator[bytes]:
-    """bf16 bytes of a random tensor, ~64 MiB of float32 at a time; norms (1-D) around 1, weights around 0."""
+def random_chunks(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> Iterator[bytes]:
+    """`dtype` bytes of a random tensor, ~64 MiB of float32 at a time; norms (1-D) around 1, weights around 0."""
     rows = shape[0] if shape else 1
     width = max(1, int(torch.tensor(shape[1:]).prod())) if len(shape) > 1 else 1
     step = max(1, (16 * 2**20) // width)
     for start in range(0, rows, step):
         n = min(step, rows - start)
         chunk = torch.randn((n, width), generator=gen) * 0.02 + (1.0 if len(shape) == 1 else 0.0)
-        yield chunk.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+        yield chunk.to(dtype).view(torch.uint8).numpy().tobytes()
 
 
-def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], gen: torch.Generator) -> None:
+def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], gen: torch.Generator,
+                      dtype: str = "bfloat16") -> None:
     """One safetensors file, streamed tensor by tensor (header first: every size is known from the shape)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for key, shape in shapes.items():
         size = 2 * int(torch.tensor(shape).prod()) if shape else 2
-        header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[key] = {"dtype": CHECKPOINT_DTYPES[dtype][1], "shape": list(shape),
+                       "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(blob)) + blob)
         for shape in shapes.values():
-            for chunk in random_chunks(shape, gen):
+            for chunk in random_chunks(shape, gen, CHECKPOINT_DTYPES[dtype][0]):
                 out.write(chunk)
+
+
+def dtype_of(config: dict[str, Any]) -> str:
+    """The checkpoint dtype a config names (transformers 5 writes `dtype`, older ones `torch_dtype`)."""
+    return str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
 
 
 def write_checkpoint(out: Path, config: dict[str, Any], shapes: dict[str, tuple[int, ...]], seed: int) -> int:
     """config.json + shards of <= SHARD_BYTES (+ index when more than one); returns the weight bytes."""
     out.mkdir(parents=True)
+    dtype = dtype_of(config)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = torch.Generator().manual_seed(seed)
     shards: list[dict[str, tuple[int, ...]]] = [{}]
@@ -136,20 +160,20 @@ def write_checkpoint(out: Path, config: dict[str, Any], shapes: dict[str, tuple[
         size += nbytes
         total += nbytes
     if len(shards) == 1:
-        write_safetensors(out / "model.safetensors", shards[0], gen)
+        write_safetensors(out / "model.safetensors", shards[0], gen, dtype)
         return total
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards):
-        write_safetensors(out / name, shard, gen)
+        write_safetensors(out / name, shard, gen, dtype)
     index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return total
 
 
-def llama_checkpoint(out: Path, shape: str) -> tuple[dict[str, Any], int]:
+def llama_checkpoint(out: Path, shape: str, dtype: str = "bfloat16") -> tuple[dict[str, Any], int]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**LLAMA_COMMON, **LLAMAS[shape])
+    config = LlamaConfig(**{**LLAMA_COMMON, "torch_dtype": dtype}, **LLAMAS[shape])
     shapes = meta_shapes(LlamaForCausalLM, config)
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight")
@@ -186,8 +210,9 @@ def eagle3_checkpoint(out: Path, target: dict[str, Any]) -> int:
               "hidden_size": h, "intermediate_size": inner, "num_attention_heads": heads, "num_key_value_heads": kv,
               "head_dim": d, "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "vocab_size": target["vocab_size"],
               "max_position_embeddings": target["max_position_embeddings"], "draft_vocab_size": EAGLE3_DRAFT_VOCAB,
-              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "rope_theta": target["rope_theta"],
-              "rope_scaling": target["rope_scaling"],
+              "tie_word_embeddings": False, "torch_dtype": dtype_of(target),
+              # transformers 5 writes the target's RoPE as rope_parameters: the head gets the same fields
+              "rope_theta": LLAMA_COMMON["rope_theta"], "rope_scaling": LLAMA_COMMON["rope_scaling"],
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, layers // 2, layers - 3],
                                "use_aux_hidden_state": True}}
     from safetensors.torch import save_file
@@ -204,15 +229,21 @@ def eagle3_checkpoint(out: Path, target: dict[str, Any]) -> int:
 
 # --- runs -----------------------------------------------------------------------------------------------------
 
-def run_export(target: Path, draft: Path | None, method: str, out: Path) -> dict[str, Any]:
+def run_export(target: Path, draft: Path | None, case: Case, out: Path, dtype: str) -> dict[str, Any]:
     """`unispec export` in a child process: its peak RSS (KiB from wait4), wall and CPU seconds, and the peak
     RSS / anonymous / file-backed memory of each export stage (/proc polled while its progress lines come)."""
-    command = [str(UNISPEC), "export", "--target", str(target), "--method", method, "--dtype", "bfloat16",
-               "--out", str(out)] + (["--draft", str(draft)] if draft else [])
+    command = [str(UNISPEC), "export", "--target", str(target), "--method", case.method, "--dtype", dtype,
+               "--quantize", case.quantize, "--out", str(out)] + (["--draft", str(draft)] if draft else [])
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(child.stderr or ()), daemon=True)
+
+    def read() -> None:                      # stage lines echoed as they come: a long case shows progress
+        for line in child.stderr or ():
+            lines.append(line)
+            print(f"  {case.name}: {line.rstrip()}", file=sys.stderr, flush=True)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     stages: dict[str, dict[str, float]] = {}
     pending: dict[str, float] = {}
@@ -246,13 +277,14 @@ def memory_gb(pid: int) -> dict[str, float]:
             (("rss", "VmRSS"), ("anon", "RssAnon"), ("file", "RssFile")) if key in fields}
 
 
-def run_case(case: Case, work: Path) -> dict[str, Any]:
+def run_case(case: Case, work: Path, dtype: str, checkpoint_dtype: str, keep: bool) -> dict[str, Any]:
     home = work / case.name
     shutil.rmtree(home, ignore_errors=True)
+    kept = work / f"{case.name}-artifact"
     try:
         started = time.perf_counter()
         if case.family == "llama":
-            config, size = llama_checkpoint(home / "target", case.shape)
+            config, size = llama_checkpoint(home / "target", case.shape, checkpoint_dtype)
         else:
             config, size = deepseek_checkpoint(home / "target", int(case.shape))
         draft = None
@@ -260,25 +292,29 @@ def run_case(case: Case, work: Path) -> dict[str, Any]:
             draft = home / "draft"
             size += eagle3_checkpoint(draft, config)
         written = time.perf_counter() - started
-        result = run_export(home / "target", draft, case.method, home / "artifact")
+        result = run_export(home / "target", draft, case, home / "artifact", dtype)
         artifact = sum(f.stat().st_size for f in (home / "artifact").iterdir())
+        if keep:
+            shutil.rmtree(kept, ignore_errors=True)
+            (home / "artifact").rename(kept)
     finally:
         shutil.rmtree(home, ignore_errors=True)
     checkpoint_gb = size / 1e9
-    return {"case": case.name, "method": case.method, "layers": config["num_hidden_layers"],
-            "checkpoint_gb": checkpoint_gb, "artifact_gb": artifact / 1e9, **result,
-            "rss_per_checkpoint": result["peak_rss_gb"] / checkpoint_gb,
-            "budget_gb": 0.4 * checkpoint_gb + 1.5, "write_s": written}
+    budget = BUDGET_PER_CHECKPOINT.get(case.shape, 0.4) * checkpoint_gb + 1.5
+    return {"case": case.name, "method": case.method, "quantize": case.quantize, "dtype": dtype,
+            "layers": config["num_hidden_layers"], "checkpoint_gb": checkpoint_gb, "artifact_gb": artifact / 1e9,
+            **result, "rss_per_checkpoint": result["peak_rss_gb"] / checkpoint_gb, "budget_gb": budget,
+            "write_s": written, "artifact": str(kept) if keep else None}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    columns = [("case", "{}"), ("method", "{}"), ("layers", "{}"), ("checkpoint_gb", "{:.2f}"),
+    columns = [("case", "{}"), ("method", "{}"), ("dtype", "{}"), ("layers", "{}"), ("checkpoint_gb", "{:.2f}"),
                ("peak_rss_gb", "{:.2f}"), ("rss_per_checkpoint", "{:.2f}"), ("budget_gb", "{:.2f}"),
                ("wall_s", "{:.0f}"), ("cpu_s", "{:.0f}"), ("artifact_gb", "{:.2f}")]
     print("  ".join(f"{name:>18}" for name, _ in columns))
     for row in rows:
         print("  ".join(f"{fmt.format(row[name]):>18}" for name, fmt in columns))
-    print("budget_gb = 0.4 x checkpoint + 1.5 GB (issue 36, the 1B line)")
+    print("budget_gb = 0.25 x checkpoint + 1.5 GB for 8B shapes, 0.4 x otherwise (issue 36)")
     for row in rows:
         print(f"{row['case']}: peak GB per stage (rss / anon / file-backed)")
         for stage, peak in row["stages"].items():
@@ -287,15 +323,21 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="1b", help="comma-separated: 1b, 3b, 8b, 1b-eagle3, ds-4l, ds-61l, ...")
+    parser.add_argument("--cases", default="1b", help="comma-separated: 1b, 3b, 8b, 1b-eagle3, ds-4l, ds-61l, 8b-eagle3:int4, ...")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "unispec-export-memory",
                         help="where checkpoints and artifacts are written (removed after each case)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="the export's --dtype")
+    parser.add_argument("--checkpoint-dtype", default="bfloat16", choices=tuple(CHECKPOINT_DTYPES),
+                        help="dtype of the random checkpoints")
+    parser.add_argument("--keep-artifacts", action="store_true",
+                        help="keep each artifact as <work>/<case>-artifact (the checkpoints still go)")
     args = parser.parse_args()
     cases = [parse_case(name) for name in args.cases.split(",")]
     rows = []
     for case in cases:
-        rows.append(run_case(case, args.work))
+        rows.append(run_case(case, args.work, args.dtype, args.checkpoint_dtype, args.keep_artifacts))
         print(f"{case.name}: {rows[-1]['peak_rss_gb']:.2f} GB peak, {rows[-1]['wall_s']:.0f} s", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))

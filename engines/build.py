@@ -29,12 +29,14 @@ from typing import Any
 from engines.flavours import gpu_capability, parse_compute_capability, select_flavour
 from engines.profiles import DimRange, ShapeRange, dim_ranges, input_shapes
 from engines.recipe import Recipe, load_recipe
+from runtime import manifest as io
 from runtime.errors import ArtifactError, ConfigError
 from runtime.manifest import MANIFEST_NAME, Manifest
 
 __all__ = ["ENGINE_PLAN", "ENGINE_SETTINGS", "BuildPlan", "build_engine", "plan_build", "write_engine"]
 
 ENGINE_PLAN = "engine.plan"
+TRT_GRAPH_KEY = "trt"          # the plan's key in the manifest's graph map (runtime/backends BACKENDS)
 ENGINE_SETTINGS = "engine.json"
 
 
@@ -85,6 +87,10 @@ def build_engine(artifact_dir: str | Path, *, recipe: str | Path | Recipe | None
     from engines.tensorrt_build import build_serialized
 
     directory, manifest = load_artifact(artifact_dir)
+    if (manifest.quantization or {}).get("zero_point"):
+        raise ArtifactError(f"{directory}: its {manifest.quantization['method']} int4 weights keep their zero "
+                            "points, which TensorRT's DequantizeLinear does not take; run it on ONNX Runtime, or "
+                            "export a float checkpoint with --quantize int4 for TensorRT")
     plan = plan_build(manifest, recipe if isinstance(recipe, Recipe) else load_recipe(recipe))
     cache_path = Path(timing_cache) if timing_cache is not None else None
     old_cache = _read_cache(cache_path)
@@ -152,7 +158,7 @@ def write_engine(directory: Path, manifest: Manifest, plan_bytes: bytes, plan: B
     try:
         staged[ENGINE_PLAN] = _stage(directory / ENGINE_PLAN, plan_bytes)
         staged[ENGINE_SETTINGS] = _stage(directory / ENGINE_SETTINGS, settings.encode())
-        _write_manifest(directory, dataclasses.replace(manifest, engine=None))
+        _write_manifest(directory, dataclasses.replace(manifest, engine=None, graphs=_with_plan(manifest, None)))
         for name, tmp in staged.items():
             os.replace(tmp, directory / name)
     finally:
@@ -162,8 +168,14 @@ def write_engine(directory: Path, manifest: Manifest, plan_bytes: bytes, plan: B
               "tensorrt_version": extra.get("tensorrt_version"),
               "compute_capabilities": extra.get("compute_capabilities", []), "recipe": plan.recipe.name,
               "num_blocks": plan.num_blocks, "cuda_graph_batches": list(plan.cuda_graph_batches)}
-    _write_manifest(directory, dataclasses.replace(manifest, engine=engine))
+    _write_manifest(directory, dataclasses.replace(manifest, engine=engine, graphs=_with_plan(manifest, ENGINE_PLAN)))
     return directory / ENGINE_PLAN
+
+
+def _with_plan(manifest: Manifest, plan: str | None) -> dict[str, dict[str, str]]:
+    """The manifest's graph map with the step graph's TensorRT file set to `plan` (None: none yet)."""
+    step = {key: name for key, name in manifest.graphs[io.STEP].items() if key != TRT_GRAPH_KEY}
+    return {**manifest.graphs, io.STEP: {**step, **({TRT_GRAPH_KEY: plan} if plan else {})}}
 
 
 def _write_manifest(directory: Path, manifest: Manifest) -> None:

@@ -36,13 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from export.config import resolve_dtype
 from export.hub import resolve_checkpoint
-from export.onnx_files import (
-    op_counts,
-    plugin_ops,
-    quiet_exporter,
-    save_with_external_weights,
-    tensor_specs,
-)
+from export.onnx_files import op_counts, plugin_ops, quiet_exporter, save_with_external_weights, tensor_specs
 from export.out_dir import plan_out_dir, staging
 from export.progress import Stages
 from export.quantize import DEFAULT_BLOCK_SIZE, QuantizeSettings, quantize_graph, quantize_settings
@@ -77,6 +71,7 @@ class ExportSettings:
     max_tokens_per_step: int = 512
     target_only: bool = True             # speculative methods: also write the target-only graph
     quantize: QuantizeSettings | None = None   # weight-only int4 / int8 of the linears (export/quantize.py)
+    draft_quantize: QuantizeSettings | None | Literal["same"] = "same"   # the drafter's linears; "same": quantize
     max_logprobs: int = io.DEFAULT_MAX_LOGPROBS   # N of the log-probability outputs; 0: none
 
     def __post_init__(self) -> None:
@@ -90,7 +85,7 @@ class ExportSettings:
         if self.method != "none" and self.num_speculative_tokens is not None:
             # `none` ignores K; K >= 1 is checked with the method, a K read from a checkpoint after building
             bounds.append(("--num-speculative-tokens", self.num_speculative_tokens, -sys.maxsize,
-                           io.max_speculative_tokens(self.method)))
+                           io.max_speculative_tokens(drafter_of(self.method))))
         for flag, value, lowest, highest in bounds:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ExportError(f"{flag} must be an int, got {value!r}")
@@ -98,14 +93,20 @@ class ExportSettings:
                 raise ExportError(f"{flag} must be >= {lowest}, got {value}")
             if value > highest:
                 raise ExportError(f"{flag} {value} is above unispec's limit of {highest}{self._why(flag)}")
+        if self.method == "none" and self.draft_quantization != self.quantize:
+            raise ExportError("--draft-quantize applies to a drafter's linears; drop it for --method none")
         if self.max_tokens_per_step < self.max_batch_size:
             raise ExportError(f"--max-tokens-per-step ({self.max_tokens_per_step}) must be >= --max-batch-size "
                               f"({self.max_batch_size}): every row of a step brings at least one token")
 
+    @property
+    def draft_quantization(self) -> QuantizeSettings | None:
+        return self.quantize if self.draft_quantize == "same" else self.draft_quantize
+
     def _why(self, flag: str) -> str:
         if flag != "--num-speculative-tokens":
             return " (README: Limits)"
-        if self.method in io.BLOCK_DRAFT_METHODS:
+        if drafter_of(self.method) == "block":
             return f" for {self.method} (K = the drafter's block_size - 1, at most {io.MAX_BLOCK_DRAFT_TOKENS})"
         return (f" for {self.method}: its drafter runs once per draft token, so K draft steps are unrolled in the "
                 f"graph; use at most {io.MAX_SPECULATIVE_TOKENS}")
@@ -116,6 +117,7 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
                  structured_output: bool = False, block_size: int = 16, max_model_len: int = 2048,
                  max_batch_size: int = 16, max_tokens_per_step: int = 512, target_only: bool = True,
                  quantize: str = "none", quant_block: int = DEFAULT_BLOCK_SIZE, quantize_lm_head: bool = False,
+                 draft_quantize: str | None = None,
                  max_logprobs: int = io.DEFAULT_MAX_LOGPROBS,
                  progress: bool | Literal["bar", "lines"] | None = None, force: bool = False,
                  lowerings: Sequence[Callable[[Path], Sequence[str]]] = ()) -> Path:
@@ -127,7 +129,8 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
     seconds), None / True a bar on a terminal and lines elsewhere, False nothing. The exporter's own log
     lines and warnings are kept off the output (export/onnx_files.py quiet_exporter).
     `target_only` (speculative methods) adds the graph that lets the runtime decode without drafts.
-    `max_logprobs` N: the graphs also output the target's top-N log-probabilities per emitted token (0: not).
+    `draft_quantize` (None: as `quantize`): the drafter's linears (a tensor shared with the target follows
+    the target). `max_logprobs` N: the graphs also output the target's top-N log-probabilities (0: not).
     `out_dir` may hold an earlier artifact (replaced); anything else is refused unless `force`, which
     writes the artifact's files into it and keeps every other file (export/out_dir.py). `lowerings` run on
     the finished artifact before it is moved into place (each an engines/<backend> `build`: artifact dir ->
@@ -138,7 +141,9 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
                               max_model_len=max_model_len, max_batch_size=max_batch_size,
                               max_tokens_per_step=max_tokens_per_step, target_only=target_only,
                               max_logprobs=max_logprobs,
-                              quantize=quantize_settings(quantize, quant_block, quantize_lm_head))
+                              quantize=quantize_settings(quantize, quant_block, quantize_lm_head),
+                              draft_quantize=("same" if draft_quantize is None else
+                                              quantize_settings(draft_quantize, quant_block, quantize_lm_head)))
     # flags are checked first, then the checkpoints found (a hub id through the Hugging Face cache, export/hub.py)
     target_dir = resolve_checkpoint(target_dir)
     draft_dir = resolve_checkpoint(draft_dir) if draft_dir is not None else None
@@ -196,9 +201,10 @@ def _build(settings: ExportSettings, target_dir: Path, draft_dir: str | Path | N
 
     dtype = getattr(torch, settings.dtype)         # weights are read straight into the export dtype
     step = build_step(settings.method, target_dir, draft_dir, k=settings.num_speculative_tokens, dtype=dtype)
-    if step.k > io.max_speculative_tokens(settings.method):        # a K the draft checkpoint decided
+    limit = io.max_speculative_tokens(drafter_of(settings.method))
+    if step.k > limit:                                              # a K the draft checkpoint decided
         raise ExportError(f"method {settings.method}: K = {step.k} (from {draft_dir}) is above unispec's limit of "
-                          f"{io.max_speculative_tokens(settings.method)}; use a drafter with a smaller block")
+                          f"{limit}; use a drafter with a smaller block")
     step.structured_output = settings.structured_output
     if settings.max_logprobs > step.vocab_size:
         raise ExportError(f"--max-logprobs {settings.max_logprobs} is above the vocabulary size {step.vocab_size}; "
@@ -213,7 +219,9 @@ def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_s
     import onnx
     import torch
 
+    from export.awq_gptq import keep_int4, sources
     from export.onnx_export import example_feeds, export_step
+    from export.quantization import quantize_passes
 
     bs = settings.block_size
     # cache lengths spanning several blocks keep max_blocks >= 2 in the example (1 would freeze the dim);
@@ -224,12 +232,11 @@ def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_s
     trace_dir.mkdir()
     path = export_step(step, trace_dir / "step.onnx", feeds)
     model = onnx.load(str(path), load_external_data=False)
-    if settings.quantize is not None:     # the step and the target-only graph alike: equal bytes, stored once
-        # quantize_graph reads weights as arrays: they are loaded here (the only whole copy an export holds)
-        onnx.load_external_data_for_model(model, str(trace_dir))
-        for tensor in model.graph.initializer:         # inline now: leave no DEFAULT marker behind
-            tensor.ClearField("data_location")
-        quantize_graph(model, settings.quantize)
+    keep_int4(model, sources(step))     # an AWQ / GPTQ checkpoint's linears get their own codes back
+    for quantize, only in quantize_passes(settings.quantize, settings.draft_quantization):
+        # one weight at a time from the trace's data (codes and scales to a file beside it); the step and the
+        # target-only graph alike, so equal bytes are stored once
+        quantize_graph(model, quantize, trace_dir, only=only)
     return model
 
 
@@ -277,13 +284,15 @@ def _pools(inputs: tuple[TensorSpec, ...], step: UnifiedStep) -> tuple[PoolSpec,
 
 def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSettings, sources: dict[str, Any],
               tokenizer: TokenizerInfo, out: Path, target_only: io.TargetOnlyGraph | None) -> Manifest:
-    from export import fp8
+    from export.awq_gptq import int4_format
+    from export.quantization import manifest_entry
     from plugins.spec_accept.acceptance import NOISE_CHANNELS
 
     inputs = tensor_specs(graph.input)
     return Manifest(
         method=settings.method, num_speculative_tokens=step.k, target_arch=sources["target_arch"],
-        draft_arch=sources["draft_arch"], vocab_size=sources["vocab_size"], dtype=settings.dtype,
+        draft_arch=sources["draft_arch"], drafter=drafter_of(settings.method), vocab_size=sources["vocab_size"],
+        dtype=settings.dtype,
         block_size=settings.block_size, max_model_len=settings.max_model_len,
         max_batch_size=settings.max_batch_size, max_tokens_per_step=settings.max_tokens_per_step,
         noise_channels=NOISE_CHANNELS, structured_output=step.structured_output, max_logprobs=step.max_logprobs,
@@ -294,8 +303,15 @@ def _manifest(graph: onnx.GraphProto, step: UnifiedStep, settings: ExportSetting
                 **({io.TARGET_ONLY: {io.PORTABLE: TARGET_ONLY_NAME}} if target_only is not None else {})},
         tokenizer=tokenizer, exporter=exporter_versions(), target_checkpoint=sources["target_checkpoint"],
         draft_checkpoint=sources["draft_checkpoint"], target_only=target_only,
-        quantization=(settings.quantize.manifest_entry() if settings.quantize is not None
-                      else fp8.manifest_entry(graph)))    # checkpoint FP8 kept, or None
+        quantization=manifest_entry(graph, step.k, settings.quantize, settings.draft_quantization,
+                                    int4_format(sources["config"])))
+
+
+def drafter_of(method: str) -> io.Drafter:
+    """The kind of drafter `method` runs, as the method registry states it (it decides the K bound)."""
+    from export.methods import method_named
+
+    return method_named(method).drafter
 
 
 def exporter_versions() -> dict[str, str]:

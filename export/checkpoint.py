@@ -16,6 +16,10 @@ so a module that loaded it can put the FP8 codes back for the export (`keep_fp8`
   weight  fp8 [R, C]     scale_inv  fp32 [ceil(R/br), ceil(C/bc)]
   out[r, c] = float(weight[r, c]) * scale_inv[r // br, c // bc]
 
+AWQ / GPTQ int4 checkpoints (`quant_method` awq / gptq) show each quantized linear as a float `<p>.weight`
+[N, K] dequantized when read, its packed `<p>.qweight/qzeros/scales/g_idx` hidden; export/awq_gptq.py keeps
+the codes for the export. Any other quant_method is refused when the checkpoint is opened.
+
 A tensor read in its stored dtype is a zero-copy view of the file's memory map (`torch.frombuffer` over
 a private mapping), so a module built from it holds no copy of its weights; `file_region(tensor)` says
 where such a tensor's bytes lie in the file, so an export can copy them from the file one tensor at a time
@@ -39,6 +43,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from export.awq_gptq import PER_WORD, Int4Format, int4_format, int4_weights, parts_of, read_int4
+from export.awq_gptq import remember as remember_int4
 from export.config import HFFields, check, read_config_json
 from export.fp8 import Fp8Weight, remember
 from export.hub import resolve_checkpoint
@@ -198,7 +204,8 @@ def file_region(tensor: torch.Tensor) -> tuple[Path, int, int] | None:
 class _Store:
     """State shared by a checkpoint and its prefix views: key -> file, open handles, cast rules."""
 
-    def __init__(self, root: Path, dtype: torch.dtype | None, fp8_block: tuple[int, int] | None) -> None:
+    def __init__(self, root: Path, dtype: torch.dtype | None, fp8_block: tuple[int, int] | None,
+                 int4: Int4Format | None = None) -> None:
         self.root = root
         self.dtype = dtype
         self.fp8_block = fp8_block
@@ -209,7 +216,10 @@ class _Store:
         self.searched = sorted({p.name for p in (files or self.files.values())})
         self.hidden = {k for k in self.files if fp8_block and k.endswith(SCALE_SUFFIX)
                        and k[: -len(SCALE_SUFFIX)] in self.files}
-        self.keys = tuple(k for k in self.files if k not in self.hidden)
+        self.int4_format = int4
+        self.int4 = int4_weights(self.files, int4, root) if int4 is not None else {}   # '<p>.weight' -> '<p>'
+        self.hidden |= parts_of(self.int4)
+        self.keys = (*(k for k in self.files if k not in self.hidden), *self.int4)
 
     def _scan(self, files: list[Path]) -> dict[str, Path]:
         """Without an index the headers are the only key list; reading them does not touch tensor data."""
@@ -246,7 +256,14 @@ class _Store:
             raise CheckpointError(f"{path}: cannot read tensor '{key}' ({exc}); re-download the file") from None
 
     def info(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """(stored dtype, shape) of `key` (known to be in `files`) from the header alone."""
+        """(stored dtype, shape) of `key` (known to be in `files`) from the header alone; an AWQ / GPTQ
+        weight is float32 [N, K] (its qweight's packed shape unfolded)."""
+        if key in self.int4:
+            _, packed = self.info(self.int4[key] + ".qweight")
+            if len(packed) != 2:          # refused, naming the tensor, when it is read (read_int4)
+                return torch.int32, packed
+            awq = self.int4_format.method == "awq"
+            return torch.float32, ((packed[1] * PER_WORD, packed[0]) if awq else (packed[1], packed[0] * PER_WORD))
         path = self.files[key]
         try:
             view = self.handle(path, key).get_slice(key)
@@ -269,6 +286,11 @@ class _Store:
         return stored
 
     def load(self, key: str) -> torch.Tensor:
+        if key in self.int4:          # AWQ / GPTQ: dequantized, its codes remembered (export/awq_gptq.py)
+            prefix = self.int4[key]
+            origin = read_int4(self.read, self.info, prefix, self.int4_format, self.files[prefix + ".qweight"])
+            tensor = origin.dequantize()
+            return remember_int4(tensor if self.dtype in (None, tensor.dtype) else tensor.to(self.dtype), origin)
         stored, shape = self.info(key)
         target = self.loaded_dtype(stored)
         if stored == target:        # no conversion: a view of the map, read from disk only when used
@@ -326,7 +348,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise CheckpointError(f"{root}: dtype must be a floating torch dtype (or None), got {dtype!r}")
         config = read_config_json(root)
-        return cls(_Store(root, dtype, _fp8_block(config)), config)
+        return cls(_Store(root, dtype, _fp8_block(config), int4_format(config)), config)
 
     @property
     def path(self) -> Path:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from export.archs import ARCHS, FAMILIES, ArchEntry, find_arch
 from export.archs.dflash.model import build_dflash_step
@@ -25,6 +25,7 @@ from export.archs.nextn.model import build_mtp_step, build_nextn_step
 from export.step.sequential import build_target_only
 from export.tiny import drafts as tiny
 from runtime.errors import ExportError
+from runtime.manifest import Drafter
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +49,7 @@ class Method:
     targets: tuple[str, ...]               # target families it accepts (export.archs.FAMILIES)
     draft: ArchEntry | None                # the separate draft checkpoint's arch; None: none (or inside the target)
     build: Builder
-    drafter: Literal["none", "sequential", "block", "assistant"]   # step kind, and the loss `make models` trains
+    drafter: Drafter                       # step kind (recorded in the manifest), the loss `make models` trains
     k_from_checkpoint: Callable[[Checkpoint], int] | None = None    # K fixed by the draft (DFlash: block_size - 1)
     # family -> tiny draft writer (export/tiny/drafts.py); None: the method needs no separate draft checkpoint
     tiny: Mapping[str, tiny.Writer | None] = field(default_factory=dict)

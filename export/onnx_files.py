@@ -9,11 +9,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from runtime import manifest as io
 from runtime.errors import ExportError
@@ -178,6 +181,64 @@ def tensor_chunks(tensor: onnx.TensorProto, source_dir: Path | None) -> Iterator
                                   "trace was truncated (is the disk full?)")
             yield chunk
             length -= len(chunk)
+
+
+def read_array(tensor: onnx.TensorProto, source_dir: Path | None) -> np.ndarray:
+    """A tensor as a numpy array in the dtype numpy_helper.to_array gives it; an external one is read from
+    its file under `source_dir` alone (one tensor's bytes), never through the rest of that file."""
+    from onnx import helper, numpy_helper
+
+    if not is_external(tensor):
+        return numpy_helper.to_array(tensor)
+    location, offset, length = external_info(tensor)
+    assert source_dir is not None, f"tensor {tensor.name} is external but no source directory was given"
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    count = math.prod(tensor.dims)
+    if dtype.itemsize * count != length:     # a packed 4-bit or string tensor: leave it to onnx
+        return numpy_helper.to_array(_inline(tensor, source_dir))
+    with open(source_dir / location, "rb") as file:
+        file.seek(offset)
+        array = np.fromfile(file, dtype=dtype, count=count)
+    if array.size != count:
+        raise ExportError(f"{source_dir / location} ends before tensor '{tensor.name}' does; the trace was "
+                          "truncated (is the disk full?)")
+    return array.reshape(tuple(tensor.dims))
+
+
+def _inline(tensor: onnx.TensorProto, source_dir: Path) -> onnx.TensorProto:
+    copy = type(tensor)()
+    copy.CopyFrom(tensor)
+    copy.ClearField("external_data")
+    copy.ClearField("data_location")
+    copy.raw_data = b"".join(tensor_chunks(tensor, source_dir))
+    return copy
+
+
+class ExternalWriter:
+    """Appends tensors to `directory`/`location` and points them there (place); with no directory, place
+    leaves a tensor in memory as it is. A context manager: the file is closed on exit. The file is appended
+    to, never truncated: a second pass over the same trace (the drafter's own --draft-quantize) must keep
+    the bytes the first pass's tensors point at."""
+
+    def __init__(self, directory: Path | None, location: str) -> None:
+        self.location = location
+        self.file = open(directory / location, "ab") if directory is not None else None  # noqa: SIM115
+
+    def place(self, tensor: onnx.TensorProto) -> onnx.TensorProto:
+        """`tensor` (raw bytes in memory) moved to the file, or left as it is when there is no file."""
+        if self.file is None:
+            return tensor
+        offset = self.file.seek(0, os.SEEK_END)
+        self.file.write(tensor.raw_data)
+        point_at(tensor, self.location, offset, self.file.tell() - offset)
+        return tensor
+
+    def __enter__(self) -> ExternalWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 def tensor_digest(tensor: onnx.TensorProto, source_dir: Path | None) -> bytes:

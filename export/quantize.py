@@ -18,6 +18,9 @@ x [..., K] ───────────────────────
   [-7, 7] of its [-8, 7] (scale = amax / 7) so a block's largest magnitude is exact in either sign.
 - Deterministic: equal float tensors give equal bytes, so a drafter's copy of the target's head, and the
   target-only graph's weights, are still stored once (dedupe_initializers, export/target_only.link_weights).
+- Streamed: an export's pass reads one float weight at a time from the trace's data file and appends its
+  codes and scales to QUANTIZED_NAME beside it, so quantizing never holds the model (8B-shaped Llama +
+  Eagle3, int4: 2.77 GB peak RSS for a 16.9 GB checkpoint, benchmarks/export_memory.py).
 - The lm_head (a linear whose float output reaches no other linear: logits only feed sampling) is quantized
   only when asked; embeddings (Gather) stay float. A weight also read by another op keeps its float copy.
 - The step graph and target_only.onnx quantize the same target linears into the same bytes, however the
@@ -34,6 +37,7 @@ x [..., K] ───────────────────────
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,7 +45,11 @@ import numpy as np
 from runtime.errors import ExportError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import onnx
+
+    from export.onnx_files import ExternalWriter
 
 METHOD = "rtn"
 BITS = (4, 8)
@@ -56,6 +64,7 @@ MIN_OPSET = 21                      # DequantizeLinear's block_size
 QMAX = {4: 7, 8: 127}
 _FLOAT_TYPES = (1, 10, 16)          # ONNX float32, float16, bfloat16
 _LINEAR_OPS = ("MatMul", "Gemm")
+QUANTIZED_NAME = "quantized.onnx.data"   # codes and scales of a streamed pass, beside the trace's own data
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,11 +138,16 @@ class _Linear:
     transposed: bool               # W is [N, K] (Gemm transB=1)
 
 
-def quantize_graph(model: onnx.ModelProto, settings: QuantizeSettings) -> int:
-    """Rewrite the linear layers of `model` (weights held in memory) as DequantizeLinear + MatMul, in place;
-    returns how many nodes changed. Every K is checked before anything is changed."""
-    from onnx import helper
+def quantize_graph(model: onnx.ModelProto, settings: QuantizeSettings, source_dir: Path | None = None, *,
+                   only: Callable[[str], bool] | None = None) -> int:
+    """Rewrite the linear layers of `model` as DequantizeLinear + MatMul, in place; returns how many nodes
+    changed. Every K is checked before anything is changed.
 
+    Weights may be held in memory or stay in external files under `source_dir` (a trace loaded without its
+    data). With `source_dir`, one float weight at a time is read and its codes and scales are appended to
+    `source_dir`/QUANTIZED_NAME, pointed at from their initializers: the pass holds one weight and its codes,
+    never the model, and write_weights streams the result like any traced tensor (issue 36).
+    """
     from export.onnx_files import nodes, opset_of
 
     opset = opset_of(model) or 0
@@ -145,24 +159,13 @@ def quantize_graph(model: onnx.ModelProto, settings: QuantizeSettings) -> int:
     if not settings.lm_head:
         heads = _heads(graph, linears)
         linears = [linear for linear in linears if linear.node.output[0] not in heads]
+    if only is not None:     # after finding the heads: which linears are heads does not depend on the filter
+        linears = [linear for linear in linears if only(linear.weight)]
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     for linear in linears:                            # fail before anything is written
         dims = initializers[linear.weight].dims
         _check_block(dims[1] if linear.transposed else dims[0], settings.block_size, linear.weight, dims)
-    made: dict[tuple[str, bool], tuple[str, str]] = {}
-    new_nodes = []
-    for index, linear in enumerate(linears):
-        key = (linear.weight, linear.transposed)
-        dequantized = f"{linear.node.name or linear.weight}_dequantized_{index}"
-        if key in made:                               # a later use: scales of its own (module docstring)
-            codes, shared = made[key]
-            scales = f"{dequantized}_scale"
-            new_nodes.append(helper.make_node("Identity", [shared], [scales], name=f"{scales}_node"))
-        else:
-            made[key] = _add_quantized(graph, initializers[linear.weight], linear.transposed, settings)
-            codes, scales = made[key]
-        new_nodes.append(_dequantize_node(codes, scales, dequantized, settings.block_size))
-        _as_matmul(linear.node, dequantized)
+    new_nodes = _rewrite(graph, linears, settings, source_dir)
     _drop_unread_transposes(graph)
     used = {name for node in nodes(graph) for name in node.input}
     replaced = {linear.weight for linear in linears} - used       # float weights nothing else reads
@@ -174,6 +177,34 @@ def quantize_graph(model: onnx.ModelProto, settings: QuantizeSettings) -> int:
     del graph.node[:]
     graph.node.extend(ordered)
     return len(linears)
+
+
+def _rewrite(graph: onnx.GraphProto, linears: list[_Linear], settings: QuantizeSettings,
+             source_dir: Path | None) -> list[onnx.NodeProto]:
+    """Each linear as MatMul(x, DQ(codes, scales)), a weight quantized once (its codes and scales appended
+    to the graph, external under `source_dir`); returns the new DQ / Identity nodes, in order."""
+    from onnx import helper
+
+    from export.onnx_files import ExternalWriter
+
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    made: dict[tuple[str, bool], tuple[str, str]] = {}
+    new_nodes = []
+    with ExternalWriter(source_dir, QUANTIZED_NAME) as writer:
+        for index, linear in enumerate(linears):
+            key = (linear.weight, linear.transposed)
+            dequantized = f"{linear.node.name or linear.weight}_dequantized_{index}"
+            if key in made:                               # a later use: scales of its own (module docstring)
+                codes, shared = made[key]
+                scales = f"{dequantized}_scale"
+                new_nodes.append(helper.make_node("Identity", [shared], [scales], name=f"{scales}_node"))
+            else:
+                made[key] = _add_quantized(graph, initializers[linear.weight], linear.transposed, settings,
+                                           source_dir, writer)
+                codes, scales = made[key]
+            new_nodes.append(_dequantize_node(codes, scales, dequantized, settings.block_size))
+            _as_matmul(linear.node, dequantized)
+    return new_nodes
 
 
 def _linears(graph: onnx.GraphProto) -> list[_Linear]:
@@ -250,21 +281,26 @@ def _heads(graph: onnx.GraphProto, linears: list[_Linear]) -> set[str]:
 
 
 def _add_quantized(graph: onnx.GraphProto, tensor: onnx.TensorProto, transposed: bool,
-                   settings: QuantizeSettings) -> tuple[str, str]:
-    """Append the codes [K, N] and scales [K/B, N] of `tensor` as initializers; returns their names."""
+                   settings: QuantizeSettings, source_dir: Path | None,
+                   writer: ExternalWriter) -> tuple[str, str]:
+    """Append the codes [K, N] and scales [K/B, N] of `tensor` as initializers (external through `writer`
+    when it has a file); returns their names."""
     import ml_dtypes
     from onnx import numpy_helper
 
-    weight = numpy_helper.to_array(tensor)
+    from export.onnx_files import read_array
+
+    weight = read_array(tensor, source_dir)
     if transposed:
         weight = weight.T                                 # [N, K] -> [K, N]
     codes, scales = quantize_blocks(weight, bits=settings.bits, block_size=settings.block_size, axis=0,
                                     name=tensor.name)
+    del weight                                            # before the codes are packed: one float copy at most
     codes = codes.astype(ml_dtypes.int4) if settings.bits == 4 else codes
     stem = f"{tensor.name}{'_t' if transposed else ''}"
     names = f"{stem}_int{settings.bits}", f"{stem}_scale"
-    graph.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(codes), names[0]),
-                              numpy_helper.from_array(np.ascontiguousarray(scales), names[1])])
+    for array, name in ((codes, names[0]), (scales, names[1])):
+        graph.initializer.append(writer.place(numpy_helper.from_array(np.ascontiguousarray(array), name)))
     return names
 
 

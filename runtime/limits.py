@@ -10,13 +10,15 @@ A leaf module: it imports nothing of ours but the errors.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 from runtime.errors import ArtifactError
 
-MAX_SPECULATIVE_TOKENS = 16          # K of sequential drafters: K draft forwards per step, unrolled in the graph
-MAX_BLOCK_DRAFT_TOKENS = 31          # DFlash: K = its checkpoint's block_size - 1, drafted in one block forward
-BLOCK_DRAFT_METHODS = ("dflash",)
+# The kind of drafter an artifact's step runs: export/methods.py's Method.drafter, recorded in the manifest
+Drafter = Literal["none", "sequential", "block", "assistant"]
+DRAFTERS: tuple[str, ...] = get_args(Drafter)
+MAX_SPECULATIVE_TOKENS = 16          # K of other drafters: K draft forwards per step, unrolled in the graph
+MAX_BLOCK_DRAFT_TOKENS = 31          # block drafters (DFlash): K = the checkpoint's block_size - 1, one forward
 MAX_BATCH_SIZE = 4096                # rows per step
 MAX_TOKENS_PER_STEP = 131072         # new tokens per step over all rows
 MAX_MODEL_LEN = 1 << 24              # 16M positions per sequence
@@ -31,9 +33,11 @@ SIZES = {"vocab_size": (1, MAX_VOCAB_SIZE), "block_size": (1, MAX_BLOCK_SIZE), "
          "noise_channels": (1, MAX_NOISE_CHANNELS)}
 
 
-def max_speculative_tokens(method: str) -> int:
-    """The largest K an artifact of `method` may have (sequential drafters 16, DFlash 31)."""
-    return MAX_BLOCK_DRAFT_TOKENS if method in BLOCK_DRAFT_METHODS else MAX_SPECULATIVE_TOKENS
+def max_speculative_tokens(drafter: str | None) -> int:
+    """The largest K an artifact whose step runs `drafter` (DRAFTERS) may have: 31 for a block drafter, else 16.
+    None, a manifest written before it recorded its drafter, gets the larger bound: nothing in it says which
+    kind it is (its method's name is deliberately not read for that), and its K was bounded when exported."""
+    return MAX_BLOCK_DRAFT_TOKENS if drafter in ("block", None) else MAX_SPECULATIVE_TOKENS
 
 
 def check_layout(d: Mapping[str, Any]) -> None:

@@ -16,7 +16,7 @@ from runtime.errors import ArtifactError
 
 # the bounds live in runtime/limits.py; named here too, as export and engines read only this module of ours
 from runtime.limits import (  # noqa: F401
-    BLOCK_DRAFT_METHODS,
+    DRAFTERS,
     FLOAT_DTYPES,
     MAX_BATCH_SIZE,
     MAX_BLOCK_DRAFT_TOKENS,
@@ -25,6 +25,7 @@ from runtime.limits import (  # noqa: F401
     MAX_SPECULATIVE_TOKENS,
     MAX_TOKENS_PER_STEP,
     SIZES,
+    Drafter,
     check_layout,
     is_int,
     max_speculative_tokens,
@@ -150,6 +151,7 @@ class Manifest:
     num_speculative_tokens: int              # K (0 for `none`)
     target_arch: str
     draft_arch: str | None = None
+    drafter: Drafter | None = None           # the method's kind (DRAFTERS); None: written before it was recorded
     vocab_size: int
     dtype: str                               # weights / activations
     block_size: int
@@ -175,7 +177,7 @@ class Manifest:
     engine: dict[str, Any] | None = None     # written by `unispec build` (issue 8)
     # the target-only graph a speculative artifact also carries; None for `none` and older artifacts
     target_only: TargetOnlyGraph | None = None
-    quantization: dict[str, Any] | None = None   # int4/int8 linears (export/quantize.py manifest_entry); None: float
+    quantization: dict[str, Any] | None = None   # export/quantization.py: RTN, fp8, awq/gptq (+ "draft"); None: float
 
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:
@@ -328,7 +330,8 @@ def check_fields(m: Manifest) -> None:
     require("structured_output", m.structured_output, isinstance(m.structured_output, bool), "true or false")
     require("max_logprobs", m.max_logprobs, is_int(m.max_logprobs) and 0 <= m.max_logprobs <= MAX_LOGPROBS,
             f"an int in [0, {MAX_LOGPROBS}]")
-    k_limit = max_speculative_tokens(m.method)
+    require("drafter", m.drafter, m.drafter is None or m.drafter in DRAFTERS, f"one of {', '.join(DRAFTERS)}")
+    k_limit = max_speculative_tokens(m.drafter)
     for name, (lowest, highest) in (*SIZES.items(), ("num_speculative_tokens", (0, k_limit))):
         value = getattr(m, name)
         require(name, value, is_int(value) and lowest <= value <= highest, f"an int in [{lowest}, {highest}]")

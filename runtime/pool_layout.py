@@ -1,8 +1,10 @@
 """The KV pool's layout and the commit rule, in one place (DESIGN.md §3).
 
-A pool is [num_blocks, L, block_size, W]: one block holds block_size consecutive positions of a row for every
-layer, so attention gathers a row's blocks with one Gather on axis 0. A position p of a row lives in pool
-slot block_table[row, p // block_size] * block_size + p % block_size, i.e. at pool[block, :, offset].
+A pool is [num_blocks, L, block_size, W] (the axis order is plugins/pool_axes.py's POOL_AXES, one floor down so
+the kernels read it too; shape and strides here are built from it): one block holds block_size consecutive
+positions of a row for every layer, so attention gathers a row's blocks with one Gather on axis 0. A position p
+of a row lives in pool slot block_table[row, p // block_size] * block_size + p % block_size, i.e. at
+pool[block, :, offset].
 
 Commit rule: row b of a step commits n_b = new_tokens_b + num_accepted_b positions, the first n_b rows of its
 segment of every delta (segments are new_tokens_b + K rows long, concatenated in row order), to positions
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from plugins.pool_axes import BLOCK, LAYER, OFFSET, POOL_AXES, WIDTH
 
 __all__ = ["FEW_ROWS", "PoolLayout", "committed_slots", "segment_slots", "slot_runs", "write_committed"]
 
@@ -38,12 +42,19 @@ class PoolLayout:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (self.num_blocks, self.layers, self.block_size, self.width)
+        sizes = {BLOCK: self.num_blocks, LAYER: self.layers, OFFSET: self.block_size, WIDTH: self.width}
+        return tuple(sizes[axis] for axis in POOL_AXES)
 
     @property
     def strides(self) -> tuple[int, int, int, int]:
         """Strides in elements (not bytes), as kernels index a contiguous pool."""
-        return (self.layers * self.block_size * self.width, self.block_size * self.width, self.width, 1)
+        shape = self.shape
+        return tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))   # row-major
+
+    @staticmethod
+    def axis(name: str) -> int:
+        """The axis of `name` (plugins.pool_axes: block, layer, offset or width) in shape and strides."""
+        return POOL_AXES.index(name)
 
     def slot(self, block: Any, offset: Any) -> Any:
         """The slot of (block, offset): ints or integer arrays alike."""

@@ -44,6 +44,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Sequence
 
+from plugins.spec_accept.constants import GREEDY_TEMPERATURE
 from runtime.errors import InvalidRequestError
 from runtime.sequence import SequenceState
 from runtime.speculation_record import CostRecord
@@ -302,7 +303,7 @@ def _bucket(batch: int) -> int:
 
 
 def _greedy(row: SequenceState) -> bool:
-    return row.params.temperature < 1e-5
+    return row.params.temperature < GREEDY_TEMPERATURE
 
 
 def _seeded_sampled(row: SequenceState) -> bool:

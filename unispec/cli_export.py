@@ -48,6 +48,9 @@ __all__ = ["build", "export"]
 @click.option("--quantize", type=click.Choice(("none", "int4", "int8")), default="none", show_default=True,
               help="Weight-only quantization of the linear layers (symmetric, block-wise along K, round to "
                    "nearest); embeddings stay float.")
+@click.option("--draft-quantize", type=click.Choice(("none", "int4", "int8")), default=None,
+              help="The drafter's linears quantized otherwise, e.g. none to keep a small head float; a tensor "
+                   "shared with the target follows --quantize.  [default: as --quantize]")
 @click.option("--quant-block", type=click.Choice(("32", "64", "128")), default="32", show_default=True,
               callback=lambda _ctx, _param, value: int(value), help="Weights per quantization block along K.")
 @click.option("--quantize-lm-head", is_flag=True, help="Quantize the output head too (costs top-1 agreement).")

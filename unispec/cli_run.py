@@ -39,9 +39,11 @@ __all__ = ["compare", "run"]
               help="Use the tokenizer's chat template, when it has one, for --prompt.")
 @click.option("--speculation", type=SPECULATION, default="auto", show_default=True,
               help="auto: each step speculative or target-only, whichever is measured faster; or force one.")
+@click.option("--kv-memory-mib", type=click.IntRange(min=1), default=None, show_default="256",
+              help="KV pool budget; a large model at a long --max-model-len export needs more.")
 @JSON_OPTION
 def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend: str, json_schema: Path | None,
-        chat: bool, speculation: str, as_json: bool, **sampling: Any) -> None:
+        chat: bool, speculation: str, kv_memory_mib: int | None, as_json: bool, **sampling: Any) -> None:
     """Generate from an artifact, streaming to the terminal, then one line of speed and acceptance."""
     import re
 
@@ -61,7 +63,8 @@ def run(artifact_dir: Path, prompt: str | None, prompt_ids: str | None, backend:
     except ValueError:
         raise click.BadParameter(f"{prompt_ids!r} is not a comma-separated list of ints",
                                  param_hint="--prompt-ids") from None
-    llm = LLM(artifact_dir, backend=backend, speculation=speculation)
+    llm = LLM(artifact_dir, backend=backend, speculation=speculation,
+              kv_memory_bytes=None if kv_memory_mib is None else kv_memory_mib << 20)
     # a flag left out takes the model creator's generation_config.json value (as vLLM does), else greedy
     params = SamplingParams(json_schema=schema, **{"temperature": 0.0, **llm.sampling_defaults, **given})
     if isinstance(request, str) and chat and llm.tokenizer is not None and llm.tokenizer.chat_template:

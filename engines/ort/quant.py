@@ -53,7 +53,7 @@ def pack(codes: np.ndarray, scales: np.ndarray, *, bits: int, block_size: int) -
 
 
 def lower(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL, *, every: bool = False) -> int:
-    """Replace main-graph MatMuls of a float32 activation and a constant blocked DQ (axis 0, int4 or int8, no
+    """Replace main-graph MatMuls of a float32 / float16 activation and a constant blocked DQ (axis 0, int4 or int8, no
     zero point) by MatMulNBits, in place: those ONNX Runtime would not fuse itself, or `every` one. Returns
     how many. The DQs and codes nothing reads any more go."""
     import onnx_ir as ir
@@ -109,7 +109,8 @@ def _dequantized_weight(node: ir.Node) -> tuple[ir.Node, dict[str, int]] | None:
 
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
         return None
-    if node.inputs[0].dtype != ir.DataType.FLOAT:
+    activation = node.inputs[0].dtype          # MatMulNBits' T1: A and scales alike (float16 runs on CPU too)
+    if activation not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
         return None
     dq = node.inputs[1].producer() if node.inputs[1] is not None else None
     if dq is None or dq.op_type != "DequantizeLinear" or len([v for v in dq.inputs if v is not None]) != 2:
@@ -119,7 +120,7 @@ def _dequantized_weight(node: ir.Node) -> tuple[ir.Node, dict[str, int]] | None:
         return None
     bits = {ir.DataType.INT4: 4, ir.DataType.INT8: 8}.get(codes.dtype)
     block = dq.attributes.get_int("block_size", 0)
-    if (bits is None or scales.dtype != ir.DataType.FLOAT or codes.shape is None or len(codes.shape) != 2
+    if (bits is None or scales.dtype != activation or codes.shape is None or len(codes.shape) != 2
             or dq.attributes.get_int("axis", 1) not in (0, -2) or block < 16 or block & (block - 1)):
         return None
     k, n = codes.shape

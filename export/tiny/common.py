@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,11 @@ class Tensors:
 
     def norm(self, *shape: int) -> torch.Tensor:
         return 1.0 + torch.randn(shape, generator=self.gen) * NORM_STD
+
+    def table(self, rows: Iterable[tuple[str, str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+        """A tensor per (ours, checkpoint key, shape) row of an adapter's table (export/archs/<arch>/weights.py),
+        keyed by the checkpoint key, drawn in row order: a vector is a norm (or scalar) near 1, else a weight."""
+        return {theirs: self.norm(*shape) if len(shape) == 1 else self.weight(*shape) for _, theirs, shape in rows}
 
 
 def vary_constant_tensors(module: torch.nn.Module, gen: torch.Generator) -> None:

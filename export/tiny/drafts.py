@@ -33,6 +33,15 @@ from typing import Any
 
 import torch
 
+from export.archs.deepseek_v3.config import DeepseekV3Config
+from export.archs.dflash.config import DFlashConfig
+from export.archs.dflash.weights import dflash_table
+from export.archs.eagle3.config import Eagle3Config
+from export.archs.eagle3.weights import VOCAB_MAP, head_rows, layer_rows
+from export.archs.gemma4_assistant.config import Gemma4AssistantConfig
+from export.archs.gemma4_assistant.weights import weight_table
+from export.archs.nextn.config import NextNConfig
+from export.archs.nextn.weights import EMBED_COPY, HEAD_COPY, mtp_prefix
 from export.tiny import targets
 from export.tiny.common import Tensors, generator, save_checkpoint
 
@@ -46,23 +55,17 @@ StateDict = dict[str, torch.Tensor]
 Writer = Callable[[Config, StateDict, Path, int], Path]
 
 
-def _mlp(make: Tensors, p: str, hidden: int, inner: int) -> StateDict:
-    return {p + "mlp.gate_proj.weight": make.weight(inner, hidden),
-            p + "mlp.up_proj.weight": make.weight(inner, hidden),
-            p + "mlp.down_proj.weight": make.weight(hidden, inner)}
+Row = tuple[str, str, tuple[int, ...]]
 
 
-def _norms(make: Tensors, p: str, names: tuple[str, ...], width: int) -> StateDict:
-    return {f"{p}{name}.weight": make.norm(width) for name in names}
-
-
-def _attention(make: Tensors, p: str, *, heads: int, kv_heads: int, head_dim: int,
-               width_in: int) -> StateDict:
-    """q/k/v/o projections of a GQA layer whose q/k/v read `width_in` features."""
-    return {p + "self_attn.q_proj.weight": make.weight(heads * head_dim, width_in),
-            p + "self_attn.k_proj.weight": make.weight(kv_heads * head_dim, width_in),
-            p + "self_attn.v_proj.weight": make.weight(kv_heads * head_dim, width_in),
-            p + "self_attn.o_proj.weight": make.weight(H, heads * head_dim)}
+def _layer_part_order(row: Row) -> tuple[int, int]:
+    """Draw order of a draft whose layers are `layers.{i}.*` in our keys (DFlash, the Gemma 4 assistant): the
+    rows before the layers, then per layer its attention, its other tensors (norms, scalar), its MLP. The
+    order these tiny drafts were first drawn in, kept so their files stay byte-identical."""
+    parts = row[0].split(".")
+    if parts[0] != "layers":
+        return (-1, 0)
+    return (int(parts[1]), {"self_attn": 0, "mlp": 2}.get(parts[2], 1))
 
 
 def _vocab_map(seed: int) -> StateDict:
@@ -70,7 +73,7 @@ def _vocab_map(seed: int) -> StateDict:
     kept = torch.randperm(V, generator=generator(seed, "eagle3/vocab"))[:DRAFT_VOCAB].sort().values  # [Vd]
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[kept] = True
-    return {"d2t": kept - torch.arange(DRAFT_VOCAB), "t2d": t2d}
+    return {VOCAB_MAP: kept - torch.arange(DRAFT_VOCAB), "t2d": t2d}
 
 
 def classic_rope(target_config: Config) -> Config:
@@ -81,19 +84,21 @@ def classic_rope(target_config: Config) -> Config:
     return {"rope_theta": theta, "rope_scaling": params if params.get("rope_type") != "default" else None}
 
 
-def _eagle3_head(make: Tensors, p: str, lm_rows: int) -> StateDict:
-    """Everything of an Eagle3 head but its attention: fc, the three layer norms, MLP, norm, lm_head."""
-    return {"fc.weight": make.weight(H, 3 * H),
-            **_norms(make, p, ("hidden_norm", "input_layernorm", "post_attention_layernorm"), H),
-            **_mlp(make, p, H, EAGLE3_INTERMEDIATE),
-            "norm.weight": make.norm(H), "lm_head.weight": make.weight(lm_rows, H)}
+def _eagle3_tensors(make: Tensors, config: Config, prefix: str) -> StateDict:
+    """An Eagle3 head's tensors from its adapter's table, drawn as the tiny heads first were (so their files stay
+    byte-identical): fc, the layer's norms, its MLP, the final norm and lm_head, then its attention."""
+    cfg = Eagle3Config.from_hf(config)
+    fc, *top = head_rows(cfg)
+    layer = [(ours, f"{prefix}.{theirs}", shape) for ours, theirs, shape in layer_rows(cfg)]
+    attention = [row for row in layer if row[0].startswith("self_attn.")]
+    mlp = [row for row in layer if row[0].startswith("mlp.")]
+    norms = [row for row in layer if row not in attention and row not in mlp]
+    return make.table([fc, *norms, *mlp, *top, *attention])
 
 
 def write_eagle3_mha(target_config: Config, target_tensors: StateDict, out: Path, seed: int, *,
                      prefix: str, kv_heads: int, rope: Config | None = None) -> Path:
-    make, p, heads, head_dim = Tensors(seed, f"eagle3-mha/{prefix}"), prefix + ".", 4, 16
-    tensors = {**_eagle3_head(make, p, DRAFT_VOCAB), **_vocab_map(seed),
-               **_attention(make, p, heads=heads, kv_heads=kv_heads, head_dim=head_dim, width_in=2 * H)}
+    heads, head_dim = 4, 16
     config = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": H, "intermediate_size": EAGLE3_INTERMEDIATE, "num_attention_heads": heads,
@@ -103,20 +108,12 @@ def write_eagle3_mha(target_config: Config, target_tensors: StateDict, out: Path
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX_IDS, "use_aux_hidden_state": True},
         **(rope or classic_rope(target_config)),
     }
+    tensors = {**_eagle3_tensors(Tensors(seed, f"eagle3-mha/{prefix}"), config, prefix), **_vocab_map(seed)}
     return save_checkpoint(out, config, tensors)
 
 
 def write_eagle3_mla(target_config: Config, target_tensors: StateDict, out: Path, seed: int) -> Path:
-    make, p = Tensors(seed, "eagle3-mla"), "layers.0.self_attn."
     n, q_lora, kv_lora, nope, rope_dim, v_dim = 4, 32, 16, 16, 8, 16
-    tensors = {**_eagle3_head(make, "layers.0.", V),           # full vocabulary: no d2t / t2d
-               p + "q_a_proj.weight": make.weight(q_lora, 2 * H),
-               p + "q_a_layernorm.weight": make.norm(q_lora),
-               p + "q_b_proj.weight": make.weight(n * (nope + rope_dim), q_lora),
-               p + "kv_a_proj_with_mqa.weight": make.weight(kv_lora + rope_dim, 2 * H),
-               p + "kv_a_layernorm.weight": make.norm(kv_lora),
-               p + "kv_b_proj.weight": make.weight(n * (nope + v_dim), kv_lora),
-               p + "o_proj.weight": make.weight(H, n * v_dim)}
     config = {
         "architectures": ["Eagle3DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
         "hidden_size": H, "intermediate_size": EAGLE3_INTERMEDIATE, "num_attention_heads": n,
@@ -130,7 +127,8 @@ def write_eagle3_mla(target_config: Config, target_tensors: StateDict, out: Path
                          "beta_fast": 16.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX_IDS, "use_aux_hidden_state": True},
     }
-    return save_checkpoint(out, config, tensors)
+    # full vocabulary: no d2t / t2d
+    return save_checkpoint(out, config, _eagle3_tensors(Tensors(seed, "eagle3-mla"), config, "layers.0"))
 
 
 DFLASH_LAYERS, DFLASH_BLOCK = 2, 4
@@ -140,16 +138,7 @@ DFLASH_MASK_ID = V - 1              # a reserved id at the top of the vocabulary
 
 
 def write_dflash(target_config: Config, target_tensors: StateDict, out: Path, seed: int) -> Path:
-    make = Tensors(seed, "dflash")
     heads, kv_heads, head_dim, inner = 4, 2, 16, 96
-    tensors = {"fc.weight": make.weight(H, len(DFLASH_TAPS) * H), "hidden_norm.weight": make.norm(H),
-               "norm.weight": make.norm(H)}
-    for i in range(DFLASH_LAYERS):
-        p = f"layers.{i}."
-        tensors |= {**_attention(make, p, heads=heads, kv_heads=kv_heads, head_dim=head_dim, width_in=H),
-                    **_norms(make, p + "self_attn.", ("q_norm", "k_norm"), head_dim),
-                    **_norms(make, p, ("input_layernorm", "post_attention_layernorm"), H),
-                    **_mlp(make, p, H, inner)}
     config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu", "hidden_size": H,
         "num_hidden_layers": DFLASH_LAYERS, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
@@ -162,32 +151,16 @@ def write_dflash(target_config: Config, target_tensors: StateDict, out: Path, se
                           "block_size": DFLASH_BLOCK},
         **classic_rope(target_config),
     }
-    return save_checkpoint(out, config, tensors)
+    rows = dflash_table(DFlashConfig.from_hf(config), len(DFLASH_TAPS))
+    return save_checkpoint(out, config, Tensors(seed, "dflash").table(sorted(rows, key=_layer_part_order)))
 
 
 ASSISTANT_HIDDEN, ASSISTANT_HEADS, ASSISTANT_INTERMEDIATE = 32, 4, 64
 ASSISTANT_LAYER_TYPES = ["sliding_attention", "full_attention"]
 
 
-def _assistant_layer(make: Tensors, i: int, head_dim: int) -> StateDict:
-    """A KV-shared Gemma 4 layer: Q-only attention (its K/V are the target's), four norms, scalar, MLP."""
-    p, h, q_width = f"model.layers.{i}.", ASSISTANT_HIDDEN, ASSISTANT_HEADS * head_dim
-    norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-             "post_feedforward_layernorm")
-    return {p + "self_attn.q_proj.weight": make.weight(q_width, h),
-            p + "self_attn.q_norm.weight": make.norm(head_dim),
-            p + "self_attn.o_proj.weight": make.weight(h, q_width),
-            **_norms(make, p, norms, h), p + "layer_scalar": make.norm(1),
-            **_mlp(make, p, h, ASSISTANT_INTERMEDIATE)}
-
-
 def write_gemma4_assistant(target_config: Config, target_tensors: StateDict, out: Path, seed: int) -> Path:
-    make, g, h = Tensors(seed, "gemma4-assistant"), targets.GEMMA4, ASSISTANT_HIDDEN
-    tensors = {"model.embed_tokens.weight": make.weight(V, h), "model.norm.weight": make.norm(h),
-               "pre_projection.weight": make.weight(h, 2 * H), "post_projection.weight": make.weight(H, h)}
-    for i, layer_type in enumerate(ASSISTANT_LAYER_TYPES):
-        full = layer_type == "full_attention"
-        tensors |= _assistant_layer(make, i, g["global_head_dim"] if full else g["head_dim"])
+    g, h = targets.GEMMA4, ASSISTANT_HIDDEN
     # The attention geometry is the target's (the layers read its K/V); the rest is the assistant's own.
     shared = ("head_dim", "global_head_dim", "num_key_value_heads", "num_global_key_value_heads",
               "attention_k_eq_v", "sliding_window", "max_position_embeddings")
@@ -202,7 +175,8 @@ def write_gemma4_assistant(target_config: Config, target_tensors: StateDict, out
     config = {"architectures": ["Gemma4AssistantForCausalLM"], "model_type": "gemma4_assistant",
               "backbone_hidden_size": H, "use_ordered_embeddings": False, "num_centroids": 8,
               "centroid_intermediate_top_k": 2, "tie_word_embeddings": True, "text_config": text}
-    return save_checkpoint(out, config, tensors)
+    rows = weight_table(Gemma4AssistantConfig.from_hf(config))
+    return save_checkpoint(out, config, Tensors(seed, "gemma4-assistant").table(sorted(rows, key=_layer_part_order)))
 
 
 NEXTN_FILE = "nextn_layer_parameters.safetensors"
@@ -210,10 +184,12 @@ NEXTN_FILE = "nextn_layer_parameters.safetensors"
 
 def write_nextn(target_config: Config, target_tensors: StateDict, out: Path, seed: int) -> Path:
     """Extract the MTP block the way SGLang's export script does (the block is the target's, bit for bit)."""
-    source, dest = f"model.layers.{target_config['num_hidden_layers']}.", "model.layers.0."
-    tensors = {dest + key[len(source):]: tensor.clone() for key, tensor in target_tensors.items()
-               if key.startswith(source) and "embed_tokens" not in key and "shared_head.head" not in key}
     config = {**target_config, "num_hidden_layers": 1, "architectures": ["DeepseekV3ForCausalLMNextN"]}
+    source = mtp_prefix(DeepseekV3Config.from_hf(target_config)) + "."
+    dest = NextNConfig.from_hf(config).layer_prefix + "."
+    unread = (source + EMBED_COPY, source + HEAD_COPY)
+    tensors = {dest + key[len(source):]: tensor.clone() for key, tensor in target_tensors.items()
+               if key.startswith(source) and key not in unread}
     return save_checkpoint(out, config, tensors, filename=NEXTN_FILE, index=True)
 
 

@@ -63,7 +63,7 @@ def write_target(family: str, out: Path, seed: int) -> tuple[dict[str, Any], dic
     tensors = load_file(str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
     if family == "deepseek-v3":
-        tensors = _with_mtp_layer(tensors, seed)
+        tensors = _with_mtp_layer(tensors, config, seed)
         save_checkpoint(out, config, tensors)
     return config, tensors
 
@@ -117,17 +117,17 @@ _BUILDERS: dict[str, Callable[[int], torch.nn.Module]] = {
 }
 
 
-def _with_mtp_layer(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+def _with_mtp_layer(tensors: dict[str, torch.Tensor], config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Add the MTP-only tensors to block `model.layers.{L}` the way DeepSeek-V3 checkpoints store them:
-    x = eh_proj([enorm(embed(t+1)), hnorm(h)]); logits = shared_head.head(shared_head.norm(block(x)))."""
-    make, p = Tensors(seed, "deepseek-v3/mtp"), f"model.layers.{NUM_LAYERS}."
-    extra = {
-        p + "enorm.weight": make.norm(HIDDEN),
-        p + "hnorm.weight": make.norm(HIDDEN),
-        p + "eh_proj.weight": make.weight(HIDDEN, 2 * HIDDEN),    # [H, 2H]: embedding half first
-        p + "shared_head.norm.weight": make.norm(HIDDEN),
-        # Copies of the shared embedding and output head, as in the official checkpoint.
-        p + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
-        p + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
-    }
+    x = eh_proj([enorm(embed(t+1)), hnorm(h)]); logits = shared_head.head(shared_head.norm(block(x))). Their
+    names and shapes are the MTP adapter's table (export/archs/nextn/weights.py)."""
+    from export.archs.deepseek_v3.config import DeepseekV3Config
+    from export.archs.nextn.weights import EMBED_COPY, HEAD_COPY, head_rows, mtp_prefix
+
+    parsed = DeepseekV3Config.from_hf(config)
+    p = mtp_prefix(parsed) + "."
+    extra = Tensors(seed, "deepseek-v3/mtp").table((ours, p + theirs, s) for ours, theirs, s in head_rows(parsed))
+    # Copies of the shared embedding and output head, as in the official checkpoint.
+    extra |= {p + EMBED_COPY: tensors["model.embed_tokens.weight"].clone(),
+              p + HEAD_COPY: tensors["lm_head.weight"].clone()}
     return {**tensors, **extra}

@@ -8,11 +8,12 @@ Ops: PagedAttentionPool / PagedAttentionPoolRows (paged_attention.cc), SpecAccep
 (spec_accept.cc), PackedLinear (matmul.cc); register.cc adds them all to the domain. The sources (*.cc,
 *.h) ship with the package; the library is built with the system's C++ compiler (`$CXX`,
 else c++/g++) once per ISA variant (avx512, avx2, portable: chosen at run time by the CPU's flags) into a
-cache folder keyed by the sources, the flags and the variant. A build stamp written last beside each library
-holds its size and sha256 and is checked before every hand-out: a truncated, foreign or half-written file is
-rebuilt, never loaded. A cache that cannot be written (a read-only home, a path through a file) gets a
-build in a temporary folder for this process, with one warning. `make install` builds it once; ONNX
-Runtime itself is not needed to compile (see ort_abi.h).
+cache folder keyed by the sources, the flags and the variant. The constants the kernels share with Python
+(header.py) are written as a header into each build folder; its text is part of the key. A build stamp
+written last beside each library holds its size and sha256 and is checked before every hand-out: a
+truncated, foreign or half-written file is rebuilt, never loaded. A cache that cannot be written (a
+read-only home, a path through a file) gets a build in a temporary folder for this process, with one warning.
+`make install` builds it once; ONNX Runtime itself is not needed to compile (see ort_abi.h).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from plugins.ort_cpu import variants
+from plugins.ort_cpu import header, variants
 from plugins.ort_cpu.variants import IsaError
 
 __all__ = ["DOMAIN", "BuildError", "IsaError", "build", "cache_dir", "compiler", "isa", "library_path",
@@ -117,6 +118,7 @@ def _key(cxx: str | None, flags: tuple[str, ...], variant: str) -> str:
     key = hashlib.sha256()
     for name in SOURCES:
         key.update((_HERE / name).read_bytes())
+    key.update(header.text().encode())           # the constants the sources include, as Python states them now
     key.update(" ".join((cxx or "", *flags, *VECTOR_MATH, platform.machine(), variant)).encode())
     return key.hexdigest()[:16]
 
@@ -145,9 +147,10 @@ def _compile(cxx: str, flags: tuple[str, ...], variant: str, target: Path) -> Pa
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
+        (Path(tmp) / header.NAME).write_text(header.text())
         units = [str(_HERE / name) for name in SOURCES if name.endswith(".cc")]
         try:
-            result = subprocess.run([cxx, *flags, "-o", str(built), *units, *VECTOR_MATH],
+            result = subprocess.run([cxx, *flags, f"-I{tmp}", "-o", str(built), *units, *VECTOR_MATH],
                                     capture_output=True, text=True)
         except OSError as exc:     # the compiler itself would not start: not the cache's fault
             raise BuildError(f"cannot run the C++ compiler {cxx}: {exc.strerror or exc}") from None

@@ -7,7 +7,8 @@
 // so a step reads each row's history once and copies none of it.
 //
 // Inputs   q [S, Hq, D], k [S, Hkv, D], v [S, Hkv, Dv]   this step's tokens (RoPE applied), float32
-//          kv_pool [num_blocks, L, bs, W] float32         read in place, never written
+//          kv_pool [num_blocks, L, bs, W] float32         read in place, never written (axis order and
+//                                                          strides from the generated unispec_constants.h)
 //          block_table [B, max_blocks], row_offsets [B+1], positions [S], cache_lengths [B]   int64
 // Output   [S, Hq, Dv] float32
 // Attributes (ints unless said): layer, k_column, v_column (where this layer's K and V start in a pool row),
@@ -58,7 +59,7 @@ OrtStatus* read_attributes(const OrtKernelInfo* info, Attributes* a) {
 
 // Checks the inputs against each other; a bad feed becomes an error status, never a wild read.
 OrtStatus* check(const Tensor* t, const Step& st, int64_t tokens, int64_t batch) {
-  const int64_t num_blocks = t[3].dims[0];
+  const int64_t num_blocks = t[3].dims[kPoolAxisBlock];
   if (st.kv_heads <= 0 || st.q_heads % st.kv_heads != 0 || t[1].dims[0] != tokens || t[2].dims[0] != tokens ||
       t[1].dims[2] != st.head_dim || t[2].dims[1] != st.kv_heads || t[6].dims[0] != tokens)
     return fail("PagedAttentionPool: q/k/v/positions disagree on tokens, heads or head size");
@@ -117,7 +118,7 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context, bool with_rows) {
   for (size_t i = 0; i < kNumInputs; ++i) {
     RETURN_IF_ERROR(read_input(context, i, &t[i]));
   }
-  static const size_t ranks[kNumInputs] = {3, 3, 3, 4, 2, 1, 1, 1};
+  static const size_t ranks[kNumInputs] = {3, 3, 3, kPoolRank, 2, 1, 1, 1};
   for (size_t i = 0; i < kNumInputs; ++i)
     if (t[i].dims.size() != ranks[i])
       return fail("PagedAttentionPool: input " + std::to_string(i) + " has rank " +
@@ -127,9 +128,7 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context, bool with_rows) {
   st.head_dim = t[0].dims[2];
   st.kv_heads = t[1].dims[1];
   st.v_dim = t[2].dims[2];
-  st.layers = t[3].dims[1];
-  st.block_size = t[3].dims[2];
-  st.width = t[3].dims[3];
+  set_pool_geometry(t[3].dims, &st);
   st.max_blocks = t[4].dims[1];
   st.q = static_cast<const float*>(t[0].data);
   st.k = static_cast<const float*>(t[1].data);

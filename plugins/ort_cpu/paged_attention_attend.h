@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "paged_attention_blocks.h"
+#include "unispec_constants.h"   // generated at build time: the pool's axis order (plugins/pool_axes.py)
 
 namespace unispec_cpu {
 namespace {
@@ -27,12 +28,29 @@ struct Step {
   const int64_t *table, *offsets, *positions, *lengths;
   float* out;
   int64_t q_heads, kv_heads, head_dim, v_dim, layers, block_size, width, max_blocks;
+  int64_t pool_strides[kPoolRank];    // in elements, row-major over the pool's dims (set_pool_geometry)
 
   const float* pool_row(int64_t row, int64_t p) const {
     const int64_t block = table[row * max_blocks + p / block_size];
-    return pool + ((block * layers + attr.layer) * block_size + p % block_size) * width;
+    return pool + block * pool_strides[kPoolAxisBlock] + attr.layer * pool_strides[kPoolAxisLayer] +
+           (p % block_size) * pool_strides[kPoolAxisOffset];
   }
 };
+
+// The kernels read a pool row as one run of `width` floats.
+static_assert(kPoolAxisWidth == kPoolRank - 1, "the pool's width axis must be its last (plugins/pool_axes.py)");
+
+// layers, block_size, width and the strides of a contiguous pool of `dims`, by the axes Python names.
+inline void set_pool_geometry(const std::vector<int64_t>& dims, Step* st) {
+  st->layers = dims[kPoolAxisLayer];
+  st->block_size = dims[kPoolAxisOffset];
+  st->width = dims[kPoolAxisWidth];
+  int64_t stride = 1;
+  for (int64_t axis = kPoolRank - 1; axis >= 0; --axis) {
+    st->pool_strides[axis] = stride;
+    stride *= dims[axis];
+  }
+}
 
 // One score of a query at position `at` against a key at `position`: scaled, softcapped, and -inf when the
 // key is hidden. A cached key is visible unless outside the sliding window, whatever `causal` says (a row's

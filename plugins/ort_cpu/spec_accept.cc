@@ -35,7 +35,8 @@
 namespace unispec_cpu {
 namespace {
 
-constexpr int64_t kNoiseTarget = 0, kNoiseResidual = 1;   // acceptance.NOISE_TARGET / NOISE_RESIDUAL
+// kNoiseTarget / kNoiseResidual, the channels read here, come from the generated unispec_constants.h
+constexpr int64_t kNoiseChannelsRead = std::max(kNoiseTarget, kNoiseResidual) + 1;
 constexpr size_t kSpecInputs = 10, kDraftInputs = 7;
 
 struct SpecAttributes {
@@ -93,8 +94,8 @@ OrtStatus* spec_accept(void* kernel, OrtKernelContext* context) {
     return fail("SpecAccept: logits must be [B, num_drafts + 1, V] and draft_tokens [B, num_drafts]");
   for (size_t i : {2, 3, 4, 5, 7})
     if (t[i].dims[0] != batch) return fail("SpecAccept: every per-row parameter needs B entries");
-  if (t[6].dims[0] != batch || t[6].dims[1] != positions || channels < 2)
-    return fail("SpecAccept: noise must be [B, num_drafts + 1, C] with C >= 2");
+  if (t[6].dims[0] != batch || t[6].dims[1] != positions || channels < kNoiseChannelsRead)
+    return fail("SpecAccept: noise must be [B, num_drafts + 1, C] with C >= " + std::to_string(kNoiseChannelsRead));
   if (t[8].dims[0] != batch || t[8].dims[1] != positions || words * 32 < vocab)
     return fail("SpecAccept: token_bitmask must be [B, num_drafts + 1, >= ceil(V / 32)]");
   if (t[9].dims[0] != batch || t[9].dims[1] != k || (k > 0 && t[9].dims[2] != vocab))

@@ -19,6 +19,8 @@
 #include <limits>
 #include <vector>
 
+#include "unispec_constants.h"   // generated at build time: kGreedyTemperature (plugins/ort_cpu/header.py)
+
 #if defined(UNISPEC_MVEC) && defined(__AVX2__)
 #include <immintrin.h>
 extern "C" __m256d _ZGVdN4v_exp(__m256d);   // libmvec (glibc >= 2.22): exp of four doubles
@@ -26,8 +28,6 @@ extern "C" __m256d _ZGVdN4v_exp(__m256d);   // libmvec (glibc >= 2.22): exp of f
 
 namespace unispec_cpu {
 namespace {
-
-constexpr float kGreedyTemperature = 1e-5f;     // truncation.GREEDY_TEMPERATURE
 
 bool is_greedy(float temperature) { return temperature < kGreedyTemperature; }
 

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins.pool_axes import BLOCK, LAYER_SLICE_AXES, OFFSET
+
 # Running max start: finite, so a fully masked tile gives exp(-inf - floor) = 0, not exp(-inf + inf) = NaN.
 NEG_FLOOR = tl.constexpr(-1.0e38)
 
@@ -274,6 +276,13 @@ def paged_attention(
     return out
 
 
+def layer_slice_geometry(pool_layer: torch.Tensor) -> tuple[int, int, int]:
+    """(block_size, block stride, slot stride) of one layer of the pool (kv_pool[:, layer], any strided view),
+    by the axis order plugins/pool_axes.py states: what the pool kernels index it with."""
+    block, offset = LAYER_SLICE_AXES.index(BLOCK), LAYER_SLICE_AXES.index(OFFSET)
+    return pool_layer.shape[offset], pool_layer.stride(block), pool_layer.stride(offset)
+
+
 def paged_attention_pool(
     q: torch.Tensor,              # [S, Hq, D]
     k: torch.Tensor,              # [S, Hkv, D]
@@ -304,8 +313,8 @@ def paged_attention_pool(
     meta = attention_meta(q.shape[1], num_kv_heads, head_dim, v.shape[2], scale=scale, causal=causal,
                           sliding_window=sliding_window, softcap=softcap)
     v_part = pool_layer[..., num_kv_heads * head_dim:]       # same storage, offset to the V half
+    block_size, block_stride, slot_stride = layer_slice_geometry(pool_layer)
     paged_attention_pool_kernel[(q.shape[0], head_programs(meta))](
         q, k, v, pool_layer, v_part, block_table, row_offsets, positions, cache_lengths, out,
-        cache_lengths.shape[0], pool_layer.shape[1], block_table.stride(0), pool_layer.stride(0),
-        pool_layer.stride(1), **meta)
+        cache_lengths.shape[0], block_size, block_table.stride(0), block_stride, slot_stride, **meta)
     return out

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.paged_attention.kernels import attention_body, block_g, pow2
+from plugins.paged_attention.kernels import attention_body, block_g, layer_slice_geometry, pow2
 
 
 @triton.jit
@@ -106,8 +106,8 @@ def paged_mla_pool(
     if q.shape[0] == 0:
         return out
     meta = mla_meta(q.shape[1], q.shape[2], kv_lora_rank, scale)
+    block_size, block_stride, slot_stride = layer_slice_geometry(pool_layer)
     paged_mla_pool_kernel[(q.shape[0], head_programs(meta))](
         q, latent_new, pool_layer, block_table, row_offsets, positions, cache_lengths, out,
-        cache_lengths.shape[0], pool_layer.shape[1], block_table.stride(0), pool_layer.stride(0),
-        pool_layer.stride(1), **meta)
+        cache_lengths.shape[0], block_size, block_table.stride(0), block_stride, slot_stride, **meta)
     return out

@@ -34,6 +34,14 @@ from collections.abc import Callable
 import torch
 
 from plugins.spec_accept.bitmask import apply_bitmask, bit_powers
+from plugins.spec_accept.constants import (  # stated once there (the CPU kernels' header is generated from it)
+    NOISE_CHANNELS,
+    NOISE_DRAFT,
+    NOISE_RESIDUAL,
+    NOISE_TARGET,
+    RELAXED_DELTA,
+    RELAXED_TOP_N,
+)
 from plugins.spec_accept.truncation import (
     PROB_DTYPE,
     Ranking,
@@ -43,14 +51,6 @@ from plugins.spec_accept.truncation import (
     truncate,
     truncated_probs,
 )
-
-NOISE_CHANNELS = 3
-NOISE_TARGET = 0    # position i < K: y_i (sample-and-match) or the coin u_i (rejection); i = K: the bonus
-NOISE_RESIDUAL = 1  # position i < K: the recovered token from the residual (rejection); unused at K
-NOISE_DRAFT = 2     # position i < K: the sampled draft of in-graph draft step i (sampled drafts)
-
-RELAXED_TOP_N = 10
-RELAXED_DELTA = 0.6
 
 __all__ = [
     "NOISE_CHANNELS", "NOISE_DRAFT", "NOISE_RESIDUAL", "NOISE_TARGET", "RELAXED_DELTA", "RELAXED_TOP_N",

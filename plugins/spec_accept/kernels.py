@@ -38,13 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.spec_accept import acceptance, truncation
+from plugins.spec_accept import constants
 from plugins.spec_accept.kernel_threshold import masked_logits, tempered_probs, truncation_threshold
 
 # The reference's own constants, wrapped as constexpr so kernels may read them.
-GREEDY_TEMPERATURE = tl.constexpr(truncation.GREEDY_TEMPERATURE)
-NOISE_TARGET = tl.constexpr(acceptance.NOISE_TARGET)   # sample-and-match's sample, rejection's coin
-NOISE_RESIDUAL = tl.constexpr(acceptance.NOISE_RESIDUAL)   # rejection's recovered token
+GREEDY_TEMPERATURE = tl.constexpr(constants.GREEDY_TEMPERATURE)
+NOISE_TARGET = tl.constexpr(constants.NOISE_TARGET)   # sample-and-match's sample, rejection's coin
+NOISE_RESIDUAL = tl.constexpr(constants.NOISE_RESIDUAL)   # rejection's recovered token
 
 
 @triton.jit

@@ -36,7 +36,9 @@ from typing import Literal
 
 import torch
 
-GREEDY_TEMPERATURE = 1e-5
+# stated once there: the native kernels' generated header and the runtime read it too
+from plugins.spec_accept.constants import GREEDY_TEMPERATURE
+
 PROB_DTYPE = torch.float64
 NUCLEUS_CANDIDATES = 256   # top-p reads its nucleus off this many largest probabilities before a full sort
 

@@ -89,7 +89,7 @@ def _deserialize(trt: Any, directory: Path, manifest: io.Manifest) -> tuple[Any,
     info = manifest.engine
     if not info:
         raise ArtifactError(f"{directory}: has no TensorRT engine; run `unispec build {directory}` first")
-    plan = directory / info.get("plan", "engine.plan")
+    plan = directory / (manifest.graph_file(io.STEP, "trt") or info.get("plan", "engine.plan"))   # graph map first
     if not plan.is_file():
         raise ArtifactError(f"{directory}: {plan.name} is missing; run `unispec build {directory}` again")
     built_with = info.get("tensorrt_version")

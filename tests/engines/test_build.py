@@ -47,6 +47,7 @@ def test_write_engine_writes_files_and_points_the_manifest_at_them(tmp_path: Pat
                             "tensorrt_version": "11.4.0", "compute_capabilities": [], "recipe": "default",
                             "num_blocks": 40, "cuda_graph_batches": [1, 4]}
     assert again.inputs == manifest.inputs and again.max_batch_size == manifest.max_batch_size
+    assert again.graph_file("step", "trt") == ENGINE_PLAN      # the graph map names the plan, as it does model.ort.onnx
     write_engine(art, again, b"PLAN-2", plan, {"tensorrt_version": "11.4.0"})   # a rebuild replaces it
     assert path.read_bytes() == b"PLAN-2" and _leftovers(art) == []
 
@@ -66,7 +67,8 @@ def test_an_interrupted_write_leaves_a_manifest_without_engine(tmp_path: Path, m
     monkeypatch.setattr(build_module.os, "replace", failing_replace)
     with pytest.raises(KeyboardInterrupt):
         write_engine(art, Manifest.load(art), b"NEW", plan, {"tensorrt_version": "2"})
-    assert Manifest.load(art).engine is None       # never a manifest naming a half-written engine
+    interrupted = Manifest.load(art)
+    assert interrupted.engine is None and interrupted.graph_file("step", "trt") is None   # never naming a half-written engine
     assert _leftovers(art) == []
 
 

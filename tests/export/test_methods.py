@@ -60,3 +60,25 @@ def test_loaded_targets_hold_no_meta_tensors(tiny, family: str) -> None:
     target = load_target(tiny[family]["target"], num_logits=2)
     tensors = [*target.parameters(), *target.buffers()]
     assert tensors and not any(t.is_meta for t in tensors)
+
+
+def test_the_k_bound_is_the_registrys_drafter_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Export bounds K by Method.drafter (block: 31, else 16), never by the method's name."""
+    from dataclasses import replace
+
+    from export.artifact import ExportSettings
+
+    assert ExportSettings(method="dflash", num_speculative_tokens=31).num_speculative_tokens == 31
+    with pytest.raises(ExportError, match="above unispec's limit of 16 for eagle3: its drafter runs once per"):
+        ExportSettings(method="eagle3", num_speculative_tokens=17)
+    monkeypatch.setitem(METHODS, "eagle3", replace(METHODS["eagle3"], drafter="block"))
+    assert ExportSettings(method="eagle3", num_speculative_tokens=31).num_speculative_tokens == 31
+    with pytest.raises(ExportError, match="above unispec's limit of 31 for eagle3 \\(K = the drafter's block_size"):
+        ExportSettings(method="eagle3", num_speculative_tokens=32)
+
+
+@pytest.mark.slow
+def test_an_exported_manifest_records_the_registrys_drafter(tiny_artifact_of) -> None:
+    from runtime.manifest import Manifest
+
+    assert Manifest.load(tiny_artifact_of("llama3-dflash", "float32")).drafter == METHODS["dflash"].drafter == "block"

@@ -265,6 +265,96 @@ def test_a_step_quantizes_the_target_linears_target_only_does_when_its_head_read
     np.testing.assert_array_equal(verify, decoded)
 
 
+# --- streamed: weights that stay in the trace's file (issue 36) -------------------------------------------------
+
+def _on_disk(model: onnx.ModelProto, trace: Path) -> onnx.ModelProto:
+    """`model` as export_step leaves a trace: every tensor in trace/step.onnx.data, the graph read without it."""
+    trace.mkdir()
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)                          # save_model moves a model's own tensors out
+    onnx.save_model(copy, str(trace / "step.onnx"), save_as_external_data=True, location="step.onnx.data",
+                    size_threshold=0)
+    return onnx.load(str(trace / "step.onnx"), load_external_data=False)
+
+
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_a_pass_over_weights_on_disk_saves_the_bytes_of_the_pass_in_memory(lm_head: bool, tmp_path: Path) -> None:
+    """The DFlash-shaped step (a head read as W and as Transpose(W)) plus a copy of w_up under another name:
+    quantized from the trace's file one weight at a time, the artifact is byte for byte the one quantized in
+    memory, and the copy's codes and scales are still stored once."""
+    from export.onnx_files import external_info, save_with_external_weights
+
+    step = _dflash_pair()[0]
+    step.graph.initializer.append(numpy_helper.from_array(_weights((K, HIDDEN), 1), "w_up_copy"))
+    tanh = next(n for n in step.graph.node if n.op_type == "Tanh")
+    tanh.input[0] = "h_sum"                                     # tanh(up(x) + up_copy(x))
+    step.graph.node.insert(2, helper.make_node("Gemm", ["x", "w_up_copy"], ["h_copy"], transB=1, name="up_copy"))
+    step.graph.node.insert(3, helper.make_node("Add", ["h", "h_copy"], ["h_sum"]))
+    step.graph.value_info.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("h_copy", "h_sum"))
+    settings = QuantizeSettings(bits=4, block_size=32, lm_head=lm_head)
+    streamed, reference = tmp_path / "streamed", tmp_path / "reference"
+    for folder in (streamed, reference):
+        folder.mkdir()
+    on_disk = _on_disk(step, tmp_path / "trace")
+    assert quantize_graph(on_disk, settings, tmp_path / "trace") == (5 if lm_head else 3)
+    assert all(t.data_location == TensorProto.EXTERNAL for t in on_disk.graph.initializer)    # nothing inline
+    save_with_external_weights(on_disk, streamed, tmp_path / "trace")
+    assert quantize_graph(step, settings) == (5 if lm_head else 3)
+    save_with_external_weights(step, reference)
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (streamed / name).read_bytes() == (reference / name).read_bytes(), name
+    saved = {t.name: t for t in onnx.load(str(streamed / "model.onnx"), load_external_data=False).graph.initializer}
+    kept = {"w_up_t_int4", "w_up_copy_t_int4"} & set(saved)                 # equal codes: one is folded
+    dqs = [n for n in onnx.load(str(streamed / "model.onnx")).graph.node
+           if n.op_type == "DequantizeLinear" and n.output[0].startswith(("up_", "up_copy_"))]
+    assert len(kept) == 1 and len(dqs) == 2 and {n.input[0] for n in dqs} == kept
+    assert external_info(saved[kept.pop()])[2] == K * HIDDEN // 2
+
+
+def test_two_passes_over_one_trace_keep_the_first_passs_codes(tmp_path: Path) -> None:
+    """--draft-quantize other than --quantize runs one pass per side over the same trace: the second pass
+    appends to the codes file the first one's tensors point into (a truncating second open lost them)."""
+    from export.onnx_files import save_with_external_weights
+
+    settings = {"w_up": QuantizeSettings(bits=4, block_size=32), "w_down": QuantizeSettings(bits=8, block_size=64)}
+    model = _model()
+    on_disk = _on_disk(model, tmp_path / "trace")
+    streamed, reference = tmp_path / "streamed", tmp_path / "reference"
+    for folder in (streamed, reference):
+        folder.mkdir()
+    for name, passed in settings.items():
+        assert quantize_graph(on_disk, passed, tmp_path / "trace", only=lambda weight, name=name: weight == name) == 1
+        assert quantize_graph(model, passed, only=lambda weight, name=name: weight == name) == 1
+    save_with_external_weights(on_disk, streamed, tmp_path / "trace")
+    save_with_external_weights(model, reference)
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (streamed / name).read_bytes() == (reference / name).read_bytes(), name
+    saved = {t.name for t in onnx.load(str(streamed / "model.onnx"), load_external_data=False).graph.initializer}
+    assert {"w_up_t_int4", "w_down_t_int8"} <= saved
+
+
+def test_a_pass_over_weights_on_disk_holds_about_one_weight_not_the_model(tmp_path: Path) -> None:
+    """24 chained 1 MiB float weights read from the trace's file: the pass's peak allocation stays near one
+    weight's working set (its float32 rows and a few temporaries), far below the 24 MiB a loaded model holds."""
+    import tracemalloc
+
+    width, depth = 512, 24
+    weights = [numpy_helper.from_array(_weights((width, width), seed), f"w{seed}") for seed in range(depth)]
+    chain = [helper.make_node("MatMul", [f"x{i}", f"w{i}"], [f"x{i + 1}"], name=f"linear{i}") for i in range(depth)]
+    graph = helper.make_graph(chain, "chain", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, [1, width])],
+                              [helper.make_tensor_value_info(f"x{depth}", TensorProto.FLOAT, [1, width])], weights)
+    model = _on_disk(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)], ir_version=10),
+                     tmp_path / "trace")
+    tracemalloc.start()
+    try:
+        assert quantize_graph(model, QuantizeSettings(bits=4, block_size=32, lm_head=True), tmp_path / "trace") == depth
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    model_bytes = depth * width * width * 4
+    assert peak < model_bytes / 4, f"peak {peak / 2**20:.1f} MiB of a {model_bytes / 2**20:.0f} MiB model"
+
+
 # --- end to end: a tiny Llama 3 + Eagle3 artifact, quantized after export ----------------------------------------
 
 def _ops_once_loaded(path: Path, optimized: Path) -> list[str]:
@@ -279,3 +369,24 @@ def _ops_once_loaded(path: Path, optimized: Path) -> list[str]:
     options.log_severity_level = 3
     ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     return [n.op_type for n in onnx.load(str(optimized), load_external_data=False).graph.node]
+
+
+def test_matmulnbits_lowering_takes_a_float16_graph() -> None:
+    """A float16 artifact's shared weights run MatMulNBits too, not a DQ + Cast every step (an 8B int4 export's
+    target-only graph ran out of memory on those dequantized copies)."""
+    import onnx_ir as ir
+
+    model = _model()
+    for tensor in model.graph.initializer:
+        if tensor.data_type == TensorProto.FLOAT:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
+    for value in (*model.graph.value_info, *model.graph.output):
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    quantize_graph(model, QuantizeSettings(bits=4, block_size=32, lm_head=True))
+    ids = np.arange(0, VOCAB, 9, dtype=np.int64)
+    reference = _run(model, {"ids": ids}, optimize=False)[0].astype(np.float32)
+    lowered = ir.from_proto(model)
+    assert ort_quant.lower(lowered, accuracy_level=0, every=True) == 3
+    logits = _run(ir.to_proto(lowered), {"ids": ids}, optimize=False)[0].astype(np.float32)
+    np.testing.assert_allclose(logits, reference, rtol=2e-2, atol=2e-2 * np.abs(reference).max())

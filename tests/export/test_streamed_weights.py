@@ -116,3 +116,25 @@ def test_exported_module_takes_its_weight_from_the_checkpoint_file(linear_checkp
     assert weight.numpy().tobytes() in (tmp_path / "linear.onnx.data").read_bytes()
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     assert np.allclose(session.run(None, {"x": x.numpy()})[0], module(x).detach().numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_read_array_takes_one_tensor_from_the_trace_file_as_onnx_reads_it(dtype: int, tmp_path: Path) -> None:
+    """quantize_graph's reader (issue 36): each external tensor comes back equal, in dtype and values, to
+    what onnx's loader gives; a file cut short is one clear error naming the tensor."""
+    from onnx import helper as onnx_helper
+
+    np_dtype = onnx_helper.tensor_dtype_to_np_dtype(dtype)
+    arrays = {name: (RNG.standard_normal((24, 40)) + shift).astype(np_dtype) for name, shift in (("p", 0), ("q", 3))}
+    model = helper.make_model(helper.make_graph([], "g", [], [], [numpy_helper.from_array(a, n) for n, a in arrays.items()]))
+    onnx.save_model(model, str(tmp_path / "step.onnx"), save_as_external_data=True, location="step.onnx.data",
+                    size_threshold=0)
+    graph = onnx.load(str(tmp_path / "step.onnx"), load_external_data=False).graph
+    for tensor in graph.initializer:
+        got = onnx_files.read_array(tensor, tmp_path)
+        assert got.dtype == arrays[tensor.name].dtype and got.shape == (24, 40)
+        assert got.tobytes() == arrays[tensor.name].tobytes()
+    data = tmp_path / "step.onnx.data"
+    data.write_bytes(data.read_bytes()[:-8])
+    with pytest.raises(onnx_files.ExportError, match="ends before tensor 'q'"):
+        onnx_files.read_array(graph.initializer[1], tmp_path)

@@ -148,3 +148,17 @@ def test_specs_validate_dtypes_and_manifests_are_frozen() -> None:
 
 def test_blocks_per_row_cover_the_steps_reach() -> None:
     assert io.blocks_per_row(13, num_speculative_tokens=2, block_size=4) == -(-(13 + io.step_reach(2)) // 4) == 5
+
+
+def test_the_k_bound_is_the_recorded_drafters_not_the_method_names() -> None:
+    """A block drafter may have K = 31, any other 16; the method's name is never read for it, and a manifest
+    written before the drafter field (None) gets the larger bound."""
+    block = replace(sample(), method="eagle3", drafter="block", num_speculative_tokens=io.MAX_BLOCK_DRAFT_TOKENS)
+    assert Manifest.from_dict(json.loads(block.to_json())) == block
+    with pytest.raises(ArtifactError, match="num_speculative_tokens is 17; expected an int in \\[0, 16\\]"):
+        replace(sample(), method="dflash", drafter="sequential", num_speculative_tokens=17)
+    d = json.loads(replace(sample(), num_speculative_tokens=20).to_json())
+    del d["drafter"]
+    assert Manifest.from_dict(d).drafter is None and Manifest.from_dict(d).num_speculative_tokens == 20
+    with pytest.raises(ArtifactError, match="drafter is 'tree'; expected one of none, sequential, block, assistant"):
+        replace(sample(), drafter="tree")

@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from plugins.pool_axes import BLOCK, LAYER, OFFSET, POOL_AXES, WIDTH
 from runtime.pool_layout import PoolLayout, committed_slots, segment_slots, slot_runs, write_committed
 
 MAX_BLOCKS = 16      # room for the largest draw (9 new + 4 accepted) at block_size 1
@@ -92,6 +93,14 @@ def test_slot_round_trips_and_strides_are_numpys(num_blocks: int, layers: int, b
     # the [L, W] row of a slot starts at block * strides[0] + offset * strides[2] in the flat pool
     pool.reshape(-1)[block * layout.strides[0] + offset * layout.strides[2]] = 1
     assert pool[block, 0, offset, 0] == 1
+
+
+def test_shape_and_axes_follow_the_axis_order_the_kernels_read() -> None:
+    layout = PoolLayout(num_blocks=5, layers=3, block_size=4, width=7)
+    sizes = {BLOCK: 5, LAYER: 3, OFFSET: 4, WIDTH: 7}
+    assert layout.shape == tuple(sizes[axis] for axis in POOL_AXES)
+    assert all(layout.shape[layout.axis(axis)] == size for axis, size in sizes.items())
+    assert layout.strides[layout.axis(WIDTH)] == 1       # a pool row is one contiguous run
 
 
 @settings(max_examples=100, deadline=None)

@@ -161,3 +161,21 @@ def test_run_takes_generation_config_defaults_and_flags_override_them(artifact: 
     assert sampled.token_ids != greedy.token_ids          # temperature 5 over the tiny vocabulary: not greedy
     assert tokens() == sampled.token_ids
     assert tokens("--temperature", "0") == greedy.token_ids
+
+
+def test_run_kv_memory_sizes_the_pools(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.llm import LLM
+
+    seen, real_init = [], LLM.__init__
+
+    def spy(self, *args, **kwargs) -> None:
+        seen.append(kwargs.get("kv_memory_bytes"))
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "__init__", spy)
+    argv = ["run", str(artifact), "--prompt-ids", "5,6,7", "--max-tokens", "2", "--json"]
+    assert CliRunner().invoke(main, [*argv, "--kv-memory-mib", "64"]).exit_code == 0
+    assert CliRunner().invoke(main, argv).exit_code == 0
+    assert seen == [64 << 20, None]                        # None: the LLM's own default budget
+    zero = CliRunner().invoke(main, [*argv, "--kv-memory-mib", "0"])
+    assert zero.exit_code == 2 and "--kv-memory-mib" in zero.output

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 
 def dflash_table(config: DFlashConfig, num_taps: int) -> Table:
-    """Rows (our key, checkpoint key, shape) for a draft reading `num_taps` target layer outputs."""
+    """Rows (our key, checkpoint key, shape) for a draft reading `num_taps` target layer outputs: the one table
+    the adapter, the tiny checkpoints (export/tiny) and training's initial drafts read."""
     h, d = config.hidden_size, config.head_dim
     table: Table = [
         ("fc.weight", "fc.weight", (h, num_taps * config.tap_width)),

@@ -75,12 +75,17 @@ def layer_rows(config: Eagle3Config) -> list[Row]:
     return norms + attention + mlp_rows("mlp", h, config.intermediate_size)
 
 
-def eagle3_table(config: Eagle3Config, prefix: str) -> list[Row]:
-    """(ours, theirs, shape) of every tensor of a head whose decoder layer sits at `prefix` (LAYER_PREFIXES)."""
+def head_rows(config: Eagle3Config) -> list[Row]:
+    """(ours, theirs, shape) of the tensors around the decoder layer: fc, then the final norm and lm_head."""
     h = config.hidden_size
-    table = [("fc.weight", "fc.weight", (h, config.fc_in_features)), ("norm.weight", "norm.weight", (h,)),
-             ("lm_head.weight", "lm_head.weight", (config.draft_vocab_size, h))]
-    return table + [(ours, f"{prefix}.{theirs}", shape) for ours, theirs, shape in layer_rows(config)]
+    return [("fc.weight", "fc.weight", (h, config.fc_in_features)), ("norm.weight", "norm.weight", (h,)),
+            ("lm_head.weight", "lm_head.weight", (config.draft_vocab_size, h))]
+
+
+def eagle3_table(config: Eagle3Config, prefix: str) -> list[Row]:
+    """(ours, theirs, shape) of every tensor of a head whose decoder layer sits at `prefix` (LAYER_PREFIXES):
+    the one table the adapter, the tiny checkpoints (export/tiny) and training's initial heads read."""
+    return head_rows(config) + [(ours, f"{prefix}.{theirs}", shape) for ours, theirs, shape in layer_rows(config)]
 
 
 def adapt_eagle3(source: Mapping[str, torch.Tensor], config: Eagle3Config, *,

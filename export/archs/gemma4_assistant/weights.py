@@ -30,7 +30,8 @@ _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
 
 
 def weight_table(cfg: Gemma4AssistantConfig) -> list[Row]:
-    """(our_key, checkpoint_key, shape) for every tensor `Gemma4Assistant` loads from the draft checkpoint."""
+    """(our_key, checkpoint_key, shape) for every tensor `Gemma4Assistant` loads from the draft checkpoint: the
+    one table the adapter, the tiny checkpoints (export/tiny) and training's initial assistants read."""
     h, v = cfg.hidden_size, cfg.vocab_size
     rows: list[Row] = [("embed_tokens.weight", "model.embed_tokens.weight", (v, h)),
                        ("norm.weight", "model.norm.weight", (h,)),

@@ -26,6 +26,7 @@ from torch.nn import functional as F
 from export.archs.common import RMSNorm, adopt_weights, gather_pool, last_n_indices
 from export.archs.llama3.config import Llama3Config, Llama3RopeScaling, LlamaLayerConfig
 from export.archs.llama3.weights import adapt_llama3
+from export.awq_gptq import tag_int4
 from plugins.paged_attention.op import paged_attention
 from runtime import manifest as io
 from runtime.errors import ExportError
@@ -133,6 +134,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
+        # an AWQ / GPTQ checkpoint's projections keep their int4 codes in the export (export/awq_gptq.py)
+        self.register_load_state_dict_post_hook(tag_int4)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past: torch.Tensor,
                 row_offsets: torch.Tensor, positions: torch.Tensor,

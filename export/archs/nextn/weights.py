@@ -23,6 +23,10 @@ from export.archs.deepseek_v3.weights import adapt_block
 from export.weights import Shape, remap
 from runtime.errors import CheckpointError, ConfigError
 
+# under the MTP layer's prefix: the official checkpoint's copies of the target's embedding and lm_head, never
+# read (a NextN checkpoint drops them); the tiny checkpoints write and strip them by these names
+EMBED_COPY, HEAD_COPY = "embed_tokens.weight", "shared_head.head.weight"
+
 
 def mtp_prefix(config: DeepseekV3Config) -> str:
     """Where a full DeepSeek-V3 checkpoint keeps its (first) MTP layer."""
@@ -62,7 +66,7 @@ def check_shared_head(source: Mapping[str, torch.Tensor], config: DeepseekV3Conf
     We always use the target's lm_head (as MAX, SGLang and transformers do): comparing the copy would read
     vocab x hidden numbers (1.8 GB for DeepSeek-V3) just to confirm what the checkpoint format promises.
     """
-    key = f"{prefix}.shared_head.head.weight"
+    key = f"{prefix}.{HEAD_COPY}"
     if key not in source:
         return
     shape = source.shape(key) if hasattr(source, "shape") else tuple(source[key].shape)

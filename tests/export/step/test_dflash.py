@@ -24,6 +24,7 @@ from export.methods import build_step
 from export.step.spec_glue import NOISE_CHANNELS
 from export.tiny import write_tiny
 from export.tiny.targets import VOCAB
+from runtime import manifest as io
 from runtime.errors import CheckpointError, ExportError
 from tests.export.step import harness
 from tests.reference_loop import generate
@@ -223,7 +224,7 @@ def test_non_causal_window_smaller_than_block_is_refused(dirs, tmp_path) -> None
 def test_io_contract_and_shared_embedding_and_head(steps) -> None:
     spec = steps[3]
     assert spec.output_names == ("num_accepted", "next_tokens", "next_draft_tokens", "next_draft_probs", "kv_delta",
-                                 "draft_kv_delta")
+                                 "draft_kv_delta", *io.LOGPROB_OUTPUTS)
     assert "draft_kv_pool" in spec.input_names
     assert spec.pool_shapes() == {"kv_pool": (3, 64), "draft_kv_pool": (2, 2 * 2 * 16)}
     assert spec.drafter.shared_embedding is spec.target.embed_tokens.weight

@@ -12,6 +12,7 @@ import torch
 from export.archs.llama3.config import Llama3Config
 from export.archs.llama3.model import Llama3Target
 from export.step.sequential import DraftBatch, PagedDrafter, SequentialStep, TargetOnlyStep
+from runtime import manifest as io
 from tests.export.step import harness
 
 VOCAB, HIDDEN, CHANNELS = 97, 32, 3
@@ -65,7 +66,7 @@ def test_io_names_follow_the_contract() -> None:
                                     "draft_tokens")
     assert "kv_pool" in spec.input_names and "draft_kv_pool" in spec.input_names
     assert spec.output_names == ("num_accepted", "next_tokens", "next_draft_tokens", "next_draft_probs", "kv_delta",
-                                 "draft_kv_delta")
+                                 "draft_kv_delta", *io.LOGPROB_OUTPUTS)
     assert spec.input_names[-1] == "draft_probs"                 # after the sampling inputs
     assert "draft_kv_pool" not in baseline.input_names
     assert "draft_probs" not in baseline.input_names and "next_draft_probs" not in baseline.output_names
