@@ -12,6 +12,8 @@ TORCH_BUILD ?= cpu
 TORCH := torch==2.13.0+$(TORCH_BUILD)
 TORCH_INDEX := https://download.pytorch.org/whl/$(TORCH_BUILD)
 PYTEST_FAST := -m "not slow and not gpu and not trt"
+# one worker per core (pytest-xdist); a file's tests share a worker, so its module fixtures are built once
+PYTEST_PARALLEL := -n auto --dist loadfile
 
 # make export TARGET=dir [DRAFT=dir] METHOD=mtp K=3 OUT=artifacts/x [DTYPE=float16] [EXPORT_ARGS="--block-size 8"]
 TARGET ?=
@@ -77,10 +79,10 @@ install-gpu: install
 		"onnxruntime-gpu==$$($(PY) -c 'import importlib.metadata as m; print(m.version("onnxruntime-gpu"))')"
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_FAST)
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_FAST)
 
 test-all: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 # The trt_build group alone: every method's tiny artifact built into a TensorRT-RTX engine, CPU-only
 # (float16 and float32; a few minutes), structured output included. Engine builds are `slow`: not in `make test`.

@@ -30,6 +30,9 @@ def _has_tensorrt_rtx() -> bool:
     return importlib.util.find_spec("tensorrt_rtx") is not None
 
 
+LONG_FIRST = ("tests/test_readme_examples.py",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skips = {
         "gpu": (None if _has_cuda() else "needs a CUDA GPU; none is visible to torch"),
@@ -37,6 +40,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         "trt_build": (None if _has_tensorrt_rtx() else
                       "needs TensorRT-RTX; pip install -e '.[trt-rtx]' (CPU-only engine builds)"),
     }
+    # the longest file (the README's examples: an export, a server, an engine build) starts first, so that
+    # under `-n auto --dist loadfile` it runs beside the rest instead of after it
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONG_FIRST)
     for item in items:
         for marker, reason in skips.items():
             if reason and marker in item.keywords:

@@ -83,7 +83,6 @@ def test_example_is_valid_syntax(example: Example) -> None:
         assert result.returncode == 0, f"{example.where}: {result.stderr}"
 
 
-@pytest.mark.slow
 def test_examples_run_as_written(tmp_path: Path) -> None:
     """Every example not marked `not run`, in order, exits 0; a server example's reply holds no error."""
     work = tmp_path / "work"

@@ -68,6 +68,7 @@ def test_a_structured_output_artifact_builds_cpu_only_and_reuses_its_timing_cach
     assert settings["timing_cache"]["bytes_read"] == size and settings["compute_capabilities"] == ["sm_86"]
 
 
+@pytest.mark.slow        # a TensorRT-RTX build run until it fails: about a minute and a half
 def test_turing_is_refused_in_one_line_that_says_what_to_do(tiny_artifact_of) -> None:
     with pytest.raises(UnispecError) as info:
         build_engine(tiny_artifact_of(*FAST_CASE), flavour="tensorrt-rtx", compute_capabilities=["sm_75"])

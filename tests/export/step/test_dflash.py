@@ -62,7 +62,7 @@ def baseline(steps):
     return harness.run(steps["none"], steps[3].pool_shapes(), harness.requests(VOCAB), NOISE_CHANNELS)
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3])     # K = 1 in `make test-all`
 def test_greedy_lossless_and_injected_drafts(steps, k: int) -> None:
     spec = steps[k]
     want = harness.check_lossless(steps["none"], spec, spec.pool_shapes(), VOCAB, NOISE_CHANNELS)

@@ -23,7 +23,12 @@ def test_kernel_matches_reference(name: str, outcomes) -> None:
     outcomes[name] = cases.check_spec_accept(name, "cpu")
 
 
-@pytest.mark.parametrize("name", [n for n, case in cases.ACCEPT_CASES.items() if case[2] > 0])
+# two cases in `make test` (K = 3, and a vocabulary over several tiles); every case in `make test-all`
+FAST_SAMPLED = ("k3", "k2_multi_tile")
+
+
+@pytest.mark.parametrize("name", [name if name in FAST_SAMPLED else pytest.param(name, marks=pytest.mark.slow)
+                                  for name, case in cases.ACCEPT_CASES.items() if case[2] > 0])
 def test_kernel_matches_reference_on_sampled_drafts(name: str) -> None:
     """draft_probs present: rejection sampling (acceptance.rejection_verdict) position by position."""
     accepted, _ = cases.check_spec_accept(name, "cpu", rejection=True)
