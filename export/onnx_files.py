@@ -7,17 +7,16 @@ Only `onnx` is needed here (no torch), so reading an artifact back stays cheap.
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import os
-import warnings
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from plugins.quiet import quiet_libraries
 from runtime import manifest as io
 from runtime.errors import ExportError
 from runtime.manifest import TensorSpec
@@ -39,29 +38,9 @@ _FLOATING = {1, 10, 16, 11}                      # float, float16, bfloat16, dou
 EXPORTER_LOGGERS = ("torch", "onnxscript", "onnx_ir", "onnx", "transformers")
 
 
-@contextmanager
-def quiet_exporter() -> Iterator[None]:
-    """Within: the exporter's libraries log errors only, and no warning is shown.
-
-    They report what is no fault of the user's and needs nothing done: torch.onnx that torchvision is
-    absent ("Skipping torchvision::nms"), onnx_ir's initializer deduplication once for every If branch that
-    returns a constant (the step's greedy branches do), FutureWarnings and UserWarnings of torch.export.
-    Export's own failures are errors, never warnings, so nothing of ours is hidden. Loggers below the
-    roots that carry their own level (torch sets a few) are lowered too; every level is put back on exit.
-    """
-    loggers = {logging.getLogger(name) for name, logger in logging.root.manager.loggerDict.items()
-               if name.split(".")[0] in EXPORTER_LOGGERS and isinstance(logger, logging.Logger) and logger.level}
-    loggers |= {logging.getLogger(name) for name in EXPORTER_LOGGERS}
-    levels = {logger: logger.level for logger in loggers}
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for logger, level in levels.items():
-            logger.setLevel(level)
+def quiet_exporter() -> AbstractContextManager[None]:
+    """Within: the exporter's libraries log errors only, and no warning is shown (plugins/quiet.py says why)."""
+    return quiet_libraries(EXPORTER_LOGGERS)
 
 
 def save_with_external_weights(model: onnx.ModelProto, out: Path, source_dir: Path | None = None) -> None:

@@ -12,13 +12,12 @@ temporary name and renamed, the manifest last.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
+from plugins.quiet import quiet_libraries
 from runtime import manifest as io
 
 __all__ = ["BACKEND", "build", "lower_graph", "lowered_name"]
@@ -87,17 +86,6 @@ def _replace(path: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-@contextmanager
-def _quiet() -> Iterator[None]:
+def _quiet() -> AbstractContextManager[None]:
     """The optimizer's libraries log errors only and show no warning (their notes need nothing done)."""
-    loggers = [logging.getLogger(name) for name in _QUIET_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+    return quiet_libraries(_QUIET_LOGGERS)

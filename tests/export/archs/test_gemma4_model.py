@@ -238,6 +238,7 @@ def random_step(config: Gemma4TextConfig, lengths: list[int], cache_lengths: lis
             *pools)
 
 
+@pytest.mark.slow      # a whole-model torch.export; the gemma4 step graphs are exported and checked in tests/export/step
 def test_onnx_export_keeps_dynamic_dims_and_matches_torch(tmp_path: Path) -> None:
     onnx = pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")

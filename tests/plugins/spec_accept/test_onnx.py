@@ -166,7 +166,13 @@ GRAPHS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(GRAPHS))
+# `make test` runs three graphs (ORT's lazy rejection body, the eager sample-and-match one, ragged); all five in
+# `make test-all`
+FAST_GRAPHS = ("sample-and-match", "ragged", "rejection-and-draft, lazy")
+
+
+@pytest.fixture(scope="module", params=[name if name in FAST_GRAPHS else pytest.param(name, marks=pytest.mark.slow)
+                                        for name in GRAPHS])
 def exported(request, tmp_path_factory):
     module, make_case = GRAPHS[request.param]
     example = make_case(random.Random(0), torch.Generator().manual_seed(0), rows=3, k=3, vocab=40)
