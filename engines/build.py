@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import time
@@ -26,7 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.flavours import gpu_capability, parse_compute_capability, select_flavour
+from engines.flavours import (
+    RTX_DEFAULT_TARGETS,
+    RTX_FP8_TARGETS,
+    Flavour,
+    gpu_capability,
+    parse_compute_capability,
+    select_flavour,
+)
 from engines.profiles import DimRange, ShapeRange, dim_ranges, input_shapes
 from engines.recipe import Recipe, load_recipe
 from runtime import manifest as io
@@ -38,6 +46,9 @@ __all__ = ["ENGINE_PLAN", "ENGINE_SETTINGS", "BuildPlan", "build_engine", "plan_
 ENGINE_PLAN = "engine.plan"
 TRT_GRAPH_KEY = "trt"          # the plan's key in the manifest's graph map (runtime/backends BACKENDS)
 ENGINE_SETTINGS = "engine.json"
+FP8_FORMAT = "float8e4m3fn"    # manifest quantization "format" of a block-FP8 checkpoint's weights (export/fp8.py)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,10 +108,7 @@ def build_engine(artifact_dir: str | Path, *, recipe: str | Path | Recipe | None
     gpu = gpu_capability()
     chosen = select_flavour(flavour, gpu=gpu)
     chosen.check_tactic_sources(plan.recipe.tactic_sources, f"recipe {plan.recipe.name!r}")
-    requested = tuple(parse_compute_capability(cc) for cc in compute_capabilities or ())
-    if not requested and chosen.targetable:      # the recipe's targets are TensorRT-RTX's; 11 ignores them
-        requested = plan.recipe.compute_capabilities or ()
-    targets = chosen.targets(requested or None, gpu)
+    targets = _targets(chosen, plan.recipe, compute_capabilities, gpu, manifest)
     started = time.perf_counter()
     result = build_serialized(directory / manifest.model_file, manifest, plan.recipe, plan.shapes, old_cache,
                               flavour=chosen, targets=targets, progress=progress)
@@ -112,12 +120,35 @@ def build_engine(artifact_dir: str | Path, *, recipe: str | Path | Recipe | None
         "compute_capabilities": list(result.targets), "device": _device_name(), "build_seconds": round(seconds, 3),
         "engine_bytes": len(result.plan),
         "network_flags": list(result.network_flags), "parser_flags": list(result.parser_flags),
+        "dequantize_nodes_added": result.dequantize_nodes_added,
         "plugins": {"registered": list(result.plugin_ops), "plugin_layers": result.plugin_layers,
                     "reference_functions": sorted(set(manifest.ops) - set(result.plugin_ops))},
         "timing_cache": None if cache_path is None else {
             "path": str(cache_path), "bytes_read": len(old_cache), "bytes_written": len(result.timing_cache)},
     }
     return write_engine(directory, manifest, result.plan, plan, settings)
+
+
+def _targets(chosen: Flavour, recipe: Recipe, compute_capabilities: Sequence[str] | None, gpu: str | None,
+             manifest: Manifest) -> tuple[str, ...]:
+    """--compute-capability, else the recipe's (TensorRT-RTX), else the flavour's default; FP8 weights
+    narrow the default to RTX_FP8_TARGETS, and are refused in one line for a named target without FP8."""
+    requested = tuple(parse_compute_capability(cc) for cc in compute_capabilities or ())
+    if not requested and chosen.targetable:      # the recipe's targets are TensorRT-RTX's; 11 ignores them
+        requested = recipe.compute_capabilities or ()
+    fp8 = holds_fp8(manifest) and bool(chosen.targetable)     # TensorRT 11: the build GPU, untried with FP8
+    targets = chosen.targets(requested or None, gpu, fp8=fp8)
+    if fp8 and not requested and gpu is None:
+        dropped = [cc for cc in RTX_DEFAULT_TARGETS if cc not in RTX_FP8_TARGETS]
+        log.warning("FP8 weights: building for %s only; %s cannot compile float8e4m3fn for %s (Ampere)",
+                    ", ".join(targets), chosen.title, ", ".join(dropped))
+    return targets
+
+
+def holds_fp8(manifest: Manifest) -> bool:
+    """Whether the artifact keeps a checkpoint's FP8 weights (its target's, or its drafter's)."""
+    entry = manifest.quantization or {}
+    return FP8_FORMAT in (entry.get("format"), (entry.get("draft") or {}).get("format"))
 
 
 def _read_cache(path: Path | None) -> bytes:

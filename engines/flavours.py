@@ -22,8 +22,8 @@ from typing import Any
 
 from runtime.errors import BackendUnavailableError, ConfigError
 
-__all__ = ["FLAVOURS", "NO_TENSORRT", "RTX_COMPUTE_CAPABILITIES", "RTX_DEFAULT_TARGETS", "Flavour", "gpu_capability",
-           "installed", "parse_compute_capability", "select_flavour"]
+__all__ = ["FLAVOURS", "NO_TENSORRT", "RTX_COMPUTE_CAPABILITIES", "RTX_DEFAULT_TARGETS", "RTX_FP8_TARGETS", "Flavour",
+           "gpu_capability", "installed", "parse_compute_capability", "select_flavour"]
 
 # What TensorRT-RTX 1.7 can target (its ComputeCapability enum): Turing, Ampere A100 / RTX 30, Ada,
 # Blackwell RTX. No sm_90 / sm_100: Hopper and Blackwell data-center GPUs need TensorRT 11.
@@ -31,6 +31,12 @@ RTX_COMPUTE_CAPABILITIES = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_120", "sm_12
 # Without a GPU and without a recipe / --compute-capability list. Not sm_75: TensorRT-RTX cannot compile
 # float32 matrix products for Turing, and every unispec graph has some (rope, the router, lm_head).
 RTX_DEFAULT_TARGETS = ("sm_80", "sm_86", "sm_89", "sm_120", "sm_121")
+# Those it compiles float8e4m3fn weights (a block-FP8 checkpoint's DequantizeLinear) for: Ada and Blackwell RTX.
+# For Ampere Myelin refuses: "Cannot compile for target(s) sm80, because the model contains HW-specific
+# datatypes: fp8_e4m3" (TensorRT-RTX 1.7.1, docs/notes/tensorrt.md).
+RTX_FP8_TARGETS = ("sm_89", "sm_120", "sm_121")
+FP8_ADVICE = ("export from a checkpoint dequantized to bfloat16 for Ampere, or build for "
+              f"{', '.join(RTX_FP8_TARGETS)} only (--compute-capability)")
 NO_TENSORRT = ("TensorRT is not installed; unispec build needs TensorRT-RTX (pip install 'unispec[trt-rtx]': "
                "CPU-only builds for Ampere / Ada / Blackwell RTX) or TensorRT 11 (pip install 'unispec[trt]' on a "
                "GPU machine)")
@@ -62,9 +68,10 @@ class Flavour:
             raise ConfigError(f"{where}: {self.title} has no tactic source {', '.join(unknown)}; it has "
                               f"{', '.join(self.tactic_sources)} (remove tactic_sources to use its defaults)")
 
-    def targets(self, requested: tuple[str, ...] | None, gpu: str | None) -> tuple[str, ...]:
+    def targets(self, requested: tuple[str, ...] | None, gpu: str | None, *, fp8: bool = False) -> tuple[str, ...]:
         """The compute capabilities to build for: `requested` (recipe or --compute-capability), else the
-        visible GPU, else (TensorRT-RTX without a GPU) RTX_DEFAULT_TARGETS. Never CURRENT without a GPU."""
+        visible GPU, else (TensorRT-RTX without a GPU) RTX_DEFAULT_TARGETS, those of RTX_FP8_TARGETS when the
+        graph holds FP8 weights (`fp8`). Never CURRENT without a GPU."""
         if not self.targetable:              # TensorRT 11 builds for the GPU it runs on
             if requested and set(requested) != {gpu}:
                 raise ConfigError(f"{self.title} builds for the GPU it runs on ({gpu or 'none visible'}); "
@@ -79,13 +86,21 @@ class Flavour:
                 raise ConfigError(f"{self.title} cannot target {', '.join(outside)}; it targets "
                                   f"{', '.join(self.targetable)} (Hopper and data-center Blackwell need "
                                   "--flavour tensorrt, TensorRT 11)")
-            return requested
+            return self._fp8_capable(requested, "--compute-capability / the recipe names", fp8)
         if gpu is not None:
             if gpu not in self.targetable:
                 raise ConfigError(f"this machine's GPU is {gpu}, which {self.title} cannot target; build with "
                                   "--flavour tensorrt (TensorRT 11) or name targets with --compute-capability")
-            return (gpu,)
-        return RTX_DEFAULT_TARGETS
+            return self._fp8_capable((gpu,), "this machine's GPU is", fp8)
+        return tuple(cc for cc in RTX_DEFAULT_TARGETS if cc in RTX_FP8_TARGETS) if fp8 else RTX_DEFAULT_TARGETS
+
+    def _fp8_capable(self, targets: tuple[str, ...], named: str, fp8: bool) -> tuple[str, ...]:
+        """`targets`, or a one-line ConfigError when the graph's FP8 weights cannot be compiled for some."""
+        without = [cc for cc in targets if fp8 and cc not in RTX_FP8_TARGETS]
+        if without:
+            raise ConfigError(f"{named} {', '.join(without)}, for which {self.title} cannot compile the artifact's "
+                              f"float8e4m3fn DequantizeLinear weights (no FP8 before Ada); {FP8_ADVICE}")
+        return targets
 
     def configure(self, trt: Any, config: Any, targets: tuple[str, ...]) -> None:
         """Point the builder config at `targets` (TensorRT-RTX); TensorRT 11 needs nothing."""

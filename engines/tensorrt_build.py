@@ -2,10 +2,12 @@
 (engines/flavours.py: TensorRT 11 `tensorrt` or TensorRT-RTX `tensorrt_rtx`, imported lazily).
 
   onnx_check.find_problems(model.onnx)           Bitwise ops and nested If named before TensorRT sees them
+  tensorrt/dequantize.split_shared_dequantize    a weight's DQ read by several unrolled drafter steps split
+                                                 per reader, in memory (what Myelin compiles)
   trt.Builder(logger).create_network(flags)      strongly typed (STRONGLY_TYPED where the enum still has it;
                                                  TensorRT 11 is always strongly typed)
   trt.OnnxParser(network, logger)                TensorRT 11: ENABLE_PLUGIN_OVERRIDE, and our custom nodes carry
-    .parse_from_file(model.onnx)                 plugin_namespace="unispec", so a registered QDP plugin wins
+    .parse(graph, path=model.onnx)               plugin_namespace="unispec", so a registered QDP plugin wins
                                                  over the node's model-local reference function (parser >= 10.15);
                                                  TensorRT-RTX (no QDP): every custom op imports its function
   builder.create_builder_config()                builder_optimization_level, WORKSPACE pool limit, tactic
@@ -29,14 +31,18 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engines.flavours import Flavour
+from engines.flavours import FP8_ADVICE, Flavour
 from engines.onnx_check import find_problems, load_graph
 from engines.profiles import ShapeRange
 from engines.recipe import Recipe
+from engines.tensorrt.dequantize import split_shared_dequantize
 from runtime.errors import ArtifactError, ConfigError, UnispecError
 from runtime.manifest import Manifest
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["PLUGIN_NAMESPACE", "PLUGIN_VERSION", "BuildResult", "build_serialized", "check_graph",
            "progress_monitor", "register_plugins"]
@@ -64,6 +70,7 @@ class BuildResult:
     parser_flags: tuple[str, ...]
     flavour: str = "tensorrt"            # engines/flavours.py name
     targets: tuple[str, ...] = ()        # compute capabilities the plan was built for
+    dequantize_nodes_added: int = 0      # by split_shared_dequantize before parsing
 
 
 def register_plugins() -> None:
@@ -79,9 +86,10 @@ def register_plugins() -> None:
                     "from their ONNX reference functions", exc)
 
 
-def check_graph(model: Path) -> None:
-    """One-line ArtifactError for the first construct no TensorRT builds (engines/onnx_check.py)."""
-    problems = find_problems(load_graph(model))
+def check_graph(model: Path, graph: onnx.ModelProto | None = None) -> None:
+    """One-line ArtifactError for the first construct no TensorRT builds (engines/onnx_check.py); `graph`:
+    model.onnx already loaded."""
+    problems = find_problems(load_graph(model) if graph is None else graph)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ArtifactError(f"{model}: {problems[0].describe()}{more}; {RE_EXPORT}")
@@ -155,14 +163,17 @@ def _network(trt: Any, builder: Any) -> tuple[Any, tuple[str, ...]]:
     return builder.create_network(flags), tuple(names)
 
 
-def _parse(trt: Any, flavour: Flavour, network: Any, logger: Any, model: Path) -> tuple[str, ...]:
+def _parse(trt: Any, flavour: Flavour, network: Any, logger: Any, model: Path,
+           graph: bytes | None = None) -> tuple[str, ...]:
+    """Parse `graph` (serialized, its external weights beside `model`) or, when None, the file `model`."""
     parser = trt.OnnxParser(network, logger)
     names = []
     override = getattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE", None)
     if flavour.plugins and override is not None:
         parser.set_flag(override)
         names.append("ENABLE_PLUGIN_OVERRIDE")
-    if not parser.parse_from_file(str(model)):    # external weights resolve next to the model file
+    parsed = parser.parse_from_file(str(model)) if graph is None else parser.parse(graph, str(model))
+    if not parsed:                                # external weights resolve next to the model file
         raise ArtifactError(parser_error(flavour, model, [parser.get_error(i) for i in range(parser.num_errors)]))
     return tuple(names)
 
@@ -235,6 +246,8 @@ def build_error(flavour: Flavour, version: str, model: Path, targets: tuple[str,
     if "FP32 GEMM is not supported" in first:
         advice = ("TensorRT-RTX cannot compile float32 matrix products for Turing: drop sm_75 from "
                   "--compute-capability / the recipe's compute_capabilities")
+    elif "HW-specific datatypes: fp8" in first:
+        advice = f"the graph holds FP8 weights, which need Ada or later: {FP8_ADVICE}"
     else:
         advice = ("lower builder_optimization_level or raise max_workspace_bytes in the recipe; if it persists, "
                   "report this line with the artifact's manifest.json (logging at DEBUG shows TensorRT's log)")
@@ -248,7 +261,9 @@ def build_serialized(model: Path, manifest: Manifest, recipe: Recipe, shapes: Ma
     """Check the graph, parse, configure and build; returns the plan and the (updated) timing cache.
     `progress` hears the build's phases where this TensorRT has IProgressMonitor (10+, TensorRT-RTX)."""
     trt = flavour.load()
-    check_graph(model)
+    graph = load_graph(model)
+    check_graph(model, graph)
+    split = split_shared_dequantize(graph.graph)
     logger = _logger(trt)
     plugin_ops: tuple[str, ...] = ()
     if flavour.plugins:
@@ -261,7 +276,7 @@ def build_serialized(model: Path, manifest: Manifest, recipe: Recipe, shapes: Ma
                            "the recipe to build their ONNX reference functions instead")
     builder = trt.Builder(logger)
     network, network_flags = _network(trt, builder)
-    parser_flags = _parse(trt, flavour, network, logger, model)
+    parser_flags = _parse(trt, flavour, network, logger, model, graph.SerializeToString() if split else None)
     _check_io(network, manifest, model)
     config = _config(trt, flavour, builder, recipe, shapes, targets)
     cache = config.create_timing_cache(timing_cache)
@@ -279,4 +294,5 @@ def build_serialized(model: Path, manifest: Manifest, recipe: Recipe, shapes: Ma
     return BuildResult(plan=bytes(plan), timing_cache=bytes(config.get_timing_cache().serialize()),
                        tensorrt_version=trt.__version__, plugin_ops=plugin_ops,
                        plugin_layers=_plugin_layers(trt, network), network_flags=network_flags,
-                       parser_flags=parser_flags, flavour=flavour.name, targets=targets)
+                       parser_flags=parser_flags, flavour=flavour.name, targets=targets,
+                       dequantize_nodes_added=split)
