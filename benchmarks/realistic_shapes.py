@@ -1,24 +1,25 @@
-"""Benchmark (not a test): unispec's target-only decode step at realistic Llama sizes, against
-onnxruntime-genai, transformers and the machine's memory-bandwidth bound, on one CPU thread.
+"""Benchmark (not a test): unispec's `none` decode step at Llama sizes and weight precisions, on one thread.
+
+Against onnxruntime-genai at the same precision, transformers and the memory-bandwidth bound.
 
     .venv/bin/python benchmarks/realistic_shapes.py [--shapes h512,h1024,1b] [--contexts 64,1024]
-        [--repeats 5] [--steps 32] [--cache-dir DIR] [--json OUT] [--no-transformers]
+        [--precisions fp32,int4,int8] [--quant-block 32] [--repeats 5] [--steps 32] [--cache-dir DIR]
+        [--json OUT] [--no-transformers]
 
-Shapes (fp32, random weights from torch seed 0, Llama 3 layout, head_dim 64, vocab 32000):
-
-    h512     hidden  512,  8 layers,  8:2 heads, MLP 1408      ~55M params
-    h1024    hidden 1024, 16 layers, 16:4 heads, MLP 2816     ~246M params
-    1b       hidden 2048, 22 layers, 32:8 heads, MLP 5632     ~1.1B params (TinyLlama-1.1B's shape)
-
-Built once per shape in --cache-dir/<shape> (default ~/.cache/unispec/realistic): the checkpoint, the
-`unispec export --method none` artifact and onnxruntime-genai's fp32 cpu build. Prompts are random ids of the
-bundled tokenizer's range; the 32000-row lm_head is read in full every step, as a real model's would be.
+Shapes (random weights from torch seed 0, Llama 3 layout, head_dim 64, vocab 32000): h512 (hidden 512, 8
+layers, 8:2 heads, MLP 1408, ~55M params), h1024 (1024, 16, 16:4, 2816, ~246M), 1b (2048, 22, 32:8, 5632,
+~1.1B: TinyLlama-1.1B's shape). Precisions (default fp32,int4) are the decoder linears' weights: fp32, or
+`unispec export --quantize int4|int8 --quant-block B` and onnxruntime-genai's builder at the same bits, block,
+symmetry, float lm_head and MatMulNBits accuracy level. Each (shape, precision) is built once under
+--cache-dir/<shape> (default ~/.cache/unispec/realistic; benchmarks/realistic_build.py lists the files).
+Prompts are random ids of the bundled tokenizer's range; the 32000-row lm_head is read in full every step.
 
 How a context C is measured, per engine (every engine with one intra-op thread; torch too):
 prefill a C-token prompt (untimed), run decode step 0 (untimed: it warms the shapes up, and unispec's feeds
 are recorded there), then time steps 1..N (--steps) one token each, greedy, and divide by N. Each repeat runs
-unispec, then onnxruntime-genai, then transformers on the same prompt; ratios are taken per repeat and
-their medians reported, so a neighbour's load that hits one repeat hits every engine of it alike.
+unispec, then onnxruntime-genai, then transformers (fp32 rows only: it runs the float checkpoint) on the same
+prompt; ratios are taken per repeat and their medians reported, so a neighbour's load that hits one repeat
+hits every engine of it alike. Rows per (shape, precision, context):
 
     ms/step       wall time per decode step (time.perf_counter)
     cpu ms/step   process CPU time per step (time.process_time): on a shared machine wall time also counts
@@ -26,15 +27,14 @@ their medians reported, so a neighbour's load that hits one repeat hits every en
     unispec step  runtime.Engine.step (scheduling, feeds, the graph, the KV commit, bookkeeping)
     unispec graph the backend's run alone (Engine.timings.graph_s): the ONNX Runtime session
     x ort-genai   median over repeats of (this engine's ms / onnxruntime-genai's ms); < 1 is faster
-    bound ms      bytes a step must read / single-thread read bandwidth: every weight (one embedding row,
-                  the table is looked up, not scanned) + the KV history of the mean cached context of the
-                  timed steps, C + (N + 1) / 2 tokens; bandwidth is the best of 5 runs of numpy's max and
-                  torch's sum (one thread) over a 1 GiB float32 array. No engine can beat it on one thread;
-                  x bound says how far each one is from it
+    bound ms      bytes a step must read / single-thread read bandwidth: every weight at its precision (codes
+                  + a float32 scale per block; one embedding row) + the float32 KV history of the mean cached
+                  context of the timed steps, C + (N + 1) / 2 tokens; bandwidth: the best of 5 runs of numpy's
+                  max and torch's sum (one thread) over a 1 GiB float32 array. x bound: how far from it
     8/1 graph     unispec only: one 8-token step / a 1-token step at the same C, graph only (the decode
                   step 0 feeds replayed through backend.run, nothing committed); goal <= 1.8.
 
-Memory: the three engines of a shape are loaded at once (~15 GB for 1b).
+Memory: the engines of one (shape, precision) are loaded at once (~15 GB for 1b fp32).
 """
 
 from __future__ import annotations
@@ -42,158 +42,34 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from realistic_build import (  # a sibling module: run as a script, this folder is on sys.path
+    MAX_MODEL_LEN,
+    PRECISIONS,
+    SHAPES,
+    Precision,
+    Prepared,
+    Shape,
+    prepare,
+    read_bandwidth,
+    say,
+)
 
 from runtime import manifest as io
-from unispec.bench_common import PeerUnavailable, default_cache_dir
-from unispec.bench_peers import build_genai_model, machine_info, thread_limits
+from unispec.bench_common import default_cache_dir
+from unispec.bench_peers import machine_info, thread_limits
 
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER_DIR = REPO / "models" / "llama3"
 TOKENIZER_VOCAB, FIRST_PLAIN_TOKEN = 1024, 3          # models/llama3's tokenizer: ids 0-2 are special
-FLOAT32 = 4
-MAX_MODEL_LEN = 2048
 VERIFY_TOKENS, VERIFY_ROUNDS = 8, 5
-BANDWIDTH_BYTES, BANDWIDTH_TRIES = 2**30, 5
 GENAI = "onnxruntime-genai"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Shape:
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int = 32000
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def hf_config(self) -> dict[str, Any]:
-        """LlamaConfig kwargs; special ids as models/llama3's, whose tokenizer the checkpoints share."""
-        return dict(hidden_size=self.hidden, num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                    num_key_value_heads=self.kv_heads, head_dim=self.head_dim, intermediate_size=self.intermediate,
-                    vocab_size=self.vocab, max_position_embeddings=MAX_MODEL_LEN, tie_word_embeddings=False,
-                    bos_token_id=0, eos_token_id=0, pad_token_id=1, dtype="float32")
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * FLOAT32
-
-    @property
-    def step_weight_bytes(self) -> int:
-        """fp32 bytes of the weights one decode step reads: all but the embedding table, of which one row."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        layer = h * (2 * h + 2 * kv) + 3 * h * self.intermediate + 2 * h      # q o, k v, gate up down, 2 norms
-        return FLOAT32 * (self.layers * layer + h + self.vocab * h + h)       # final norm, lm_head, one row
-
-    @property
-    def num_params(self) -> int:
-        return self.step_weight_bytes // FLOAT32 - self.hidden + self.vocab * self.hidden
-
-
-SHAPES = {s.name: s for s in (
-    Shape(name="h512", hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1408),
-    Shape(name="h1024", hidden=1024, layers=16, heads=16, kv_heads=4, intermediate=2816),
-    Shape(name="1b", hidden=2048, layers=22, heads=32, kv_heads=8, intermediate=5632),
-)}
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-# --- what each shape needs on disk ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Prepared:
-    checkpoint: Path
-    artifact: Path
-    genai: Path
-
-
-def prepare(shape: Shape, cache: Path) -> Prepared:
-    home = cache / shape.name
-    checkpoint = write_checkpoint(shape, home)
-    artifact = export_none(checkpoint, home / "unispec-none")
-    say(f"{shape.name}: onnxruntime-genai model (its builder, fp32 cpu, once)")
-    try:
-        genai = build_genai_model(checkpoint, home / "ort-genai")
-    except PeerUnavailable as exc:
-        raise SystemExit(f"{shape.name}: onnxruntime-genai, the reference of every ratio, cannot run: {exc}") from None
-    return Prepared(checkpoint, artifact, genai)
-
-
-def write_checkpoint(shape: Shape, home: Path) -> Path:
-    """The shape's random-weight checkpoint with models/llama3's tokenizer, written once."""
-    checkpoint = home / "checkpoint"
-    config = checkpoint / "config.json"
-    wanted = shape.hf_config()
-    if config.is_file() and all(json.loads(config.read_text()).get(k) == v for k, v in wanted.items() if k != "dtype"):
-        return checkpoint
-    shutil.rmtree(home, ignore_errors=True)      # the artifacts there came from another checkpoint
-    say(f"{shape.name}: writing a random-weight checkpoint ({shape.num_params / 1e6:.0f}M params)")
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    tmp = home / ".checkpoint.tmp"
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**wanted)).save_pretrained(tmp)
-    shutil.copy(TOKENIZER_DIR / "tokenizer.json", tmp)
-    tokenizer_config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
-    tokenizer_config["model_max_length"] = MAX_MODEL_LEN
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    os.replace(tmp, checkpoint)
-    return checkpoint
-
-
-def export_none(checkpoint: Path, out: Path) -> Path:
-    """unispec's target-only artifact, exported once (in a subprocess: exporting takes memory we want back)."""
-    if (out / io.MANIFEST_NAME).is_file():
-        return out
-    say(f"exporting {out}")
-    command = [sys.executable, "-m", "unispec.cli", "export", "--target", str(checkpoint), "--method", "none",
-               "--out", str(out), "--max-model-len", str(MAX_MODEL_LEN), "--max-batch-size", "1"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.splitlines() if line.strip()] or ["(no output)"]
-        raise SystemExit(f"unispec export of {checkpoint} failed: {lines[-1].strip()}")
-    return out
-
-
-def read_bandwidth() -> dict[str, Any]:
-    """Single-thread read bandwidth: the best of two streaming reductions over an array far past any cache
-    (torch held to one thread by the caller). Not numpy's sum: its pairwise summation is compute-bound well
-    below what memory delivers (23 vs 37 GB/s on the 2-core EPYC this was written on)."""
-    import torch
-
-    data = np.ones(BANDWIDTH_BYTES // FLOAT32, dtype=np.float32)     # ones, not empty: pages touched beforehand
-    kernels = {"numpy max": data.max, "torch sum": torch.from_numpy(data).sum}
-    rates = {}
-    for name, kernel in kernels.items():
-        best = float("inf")
-        for _ in range(BANDWIDTH_TRIES):
-            started = time.perf_counter()
-            kernel()
-            best = min(best, time.perf_counter() - started)
-        rates[name] = BANDWIDTH_BYTES / best
-    return {"bytes_per_s": max(rates.values()), "array_bytes": BANDWIDTH_BYTES, "kernel_bytes_per_s": rates}
+__all__ = ["GENAI", "SHAPES", "Prepared", "UnispecEngine", "prepare", "prompt_ids"]     # what profile_step.py reads
 
 
 # --- engines: each prefills, runs decode step 0, then times `steps` decode steps ----------------------------------
@@ -331,17 +207,20 @@ def prompt_ids(context: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(FIRST_PLAIN_TOKEN, TOKENIZER_VOCAB, size=context).tolist()
 
 
-def measure_shape(shape: Shape, prepared: Prepared, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
-    say(f"{shape.name}: loading the engines")
+def measure_shape(shape: Shape, precision: Precision, prepared: Prepared, args: argparse.Namespace,
+                  bandwidth: float) -> dict[str, Any]:
+    say(f"{shape.name} {precision.label}: loading the engines")
     engines: list[Engine] = [UnispecEngine(prepared.artifact), GenaiEngine(prepared.genai)]
-    if args.transformers:
+    if args.transformers and precision.name == "fp32":        # transformers runs the float checkpoint only
         engines.append(HfEngine(prepared.checkpoint))
-    contexts = [summarise(shape, context, args.steps, runs, bandwidth)
+    weight_bytes = shape.step_weight_bytes(precision)
+    contexts = [summarise(shape, weight_bytes, context, args.steps, runs, bandwidth)
                 for context, runs in time_contexts(shape, engines, args).items()]
     del engines                                  # the next shape's engines need the memory
     gc.collect()
     return {"shape": {**asdict(shape), "head_dim": shape.head_dim, "num_params": shape.num_params,
-                      "step_weight_bytes": shape.step_weight_bytes, "kv_bytes_per_token": shape.kv_bytes_per_token},
+                      "kv_bytes_per_token": shape.kv_bytes_per_token},
+            "precision": {**asdict(precision), "label": precision.label, "step_weight_bytes": weight_bytes},
             "contexts": contexts}
 
 
@@ -360,9 +239,9 @@ def time_contexts(shape: Shape, engines: list[Engine], args: argparse.Namespace)
     return runs
 
 
-def summarise(shape: Shape, context: int, steps: int, runs: dict[str, list[Figures]],
+def summarise(shape: Shape, weight_bytes: float, context: int, steps: int, runs: dict[str, list[Figures]],
               bandwidth: float) -> dict[str, Any]:
-    step_bytes = shape.step_weight_bytes + shape.kv_bytes_per_token * (context + (steps + 1) / 2)
+    step_bytes = weight_bytes + shape.kv_bytes_per_token * (context + (steps + 1) / 2)
     bound_ms = 1e3 * step_bytes / bandwidth
     reference = runs[GENAI]
     views = {}
@@ -386,9 +265,10 @@ def summarise(shape: Shape, context: int, steps: int, runs: dict[str, list[Figur
 
 
 def print_shape(result: dict[str, Any], bandwidth: float) -> None:
-    shape = result["shape"]
-    print(f"\n{shape['name']}: hidden {shape['hidden']}, {shape['layers']} layers, {shape['heads']}:{shape['kv_heads']}"
-          f" heads, MLP {shape['intermediate']}, vocab {shape['vocab']}, {shape['num_params'] / 1e6:.0f}M params")
+    shape, precision = result["shape"], result["precision"]
+    print(f"\n{shape['name']} {precision['label']}: hidden {shape['hidden']}, {shape['layers']} layers, "
+          f"{shape['heads']}:{shape['kv_heads']} heads, MLP {shape['intermediate']}, vocab {shape['vocab']}, "
+          f"{shape['num_params'] / 1e6:.0f}M params")
     header = f"  {'':<18} {'ms/step':>9} {'cpu ms':>9} {'x ort-genai':>12} {'cpu x ort-genai':>16} {'x bound':>8}"
     for c in result["contexts"]:
         v = c["verify"]
@@ -409,6 +289,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--contexts", default="64,1024", help="comma-separated cached-context lengths")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per context (engines interleaved)")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per repeat")
+    parser.add_argument("--precisions", default="fp32,int4",
+                        help=f"comma-separated, of {', '.join(PRECISIONS)}: the decoder linears' weights, unispec's "
+                             "and onnxruntime-genai's alike")
+    parser.add_argument("--quant-block", type=int, choices=(32, 64, 128), default=32,
+                        help="int4 / int8 block size along K (unispec export --quant-block; the builder's block_size)")
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir() / "realistic",
                         help="checkpoints and exported models, one folder per shape")
     parser.add_argument("--json", type=Path, help="write every figure here")
@@ -418,6 +303,10 @@ def parse_args() -> argparse.Namespace:
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown or not args.shapes:
         parser.error(f"--shapes: unknown {unknown or '(none)'}; use {', '.join(SHAPES)}")
+    names = [p for p in args.precisions.split(",") if p]
+    if not names or any(p not in PRECISIONS for p in names):
+        parser.error(f"--precisions {args.precisions!r}: use some of {', '.join(PRECISIONS)}")
+    args.precisions = [Precision(name=p, block_size=args.quant_block) for p in names]
     try:
         args.contexts = [int(c) for c in args.contexts.split(",")]
     except ValueError:
@@ -434,20 +323,22 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     started = time.perf_counter()
-    prepared = {name: prepare(SHAPES[name], args.cache_dir) for name in args.shapes}
+    runs = [(SHAPES[name], precision) for name in args.shapes for precision in args.precisions]
+    prepared = {(shape, precision): prepare(shape, args.cache_dir, precision) for shape, precision in runs}
     say("measuring single-thread read bandwidth")
     with thread_limits(1):
         bandwidth = read_bandwidth()
     report: dict[str, Any] = {
         "machine": machine_info(threads=1), "bandwidth": bandwidth,
         "settings": {"contexts": args.contexts, "repeats": args.repeats, "steps": args.steps,
+                     "precisions": [asdict(p) for p in args.precisions],
                      "verify_tokens": VERIFY_TOKENS, "verify_rounds": VERIFY_ROUNDS, "max_model_len": MAX_MODEL_LEN},
         "shapes": []}
     print(f"{report['machine']['processor']}, {report['machine']['cpu_count']} cores; 1 intra-op thread per engine; "
           f"read bandwidth {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s; {args.steps} steps x {args.repeats} repeats")
     with thread_limits(1):
-        for name in args.shapes:
-            result = measure_shape(SHAPES[name], prepared[name], args, bandwidth["bytes_per_s"])
+        for shape, precision in runs:
+            result = measure_shape(shape, precision, prepared[shape, precision], args, bandwidth["bytes_per_s"])
             report["shapes"].append(result)
             print_shape(result, bandwidth["bytes_per_s"])
     report["elapsed_s"] = time.perf_counter() - started

@@ -7,8 +7,9 @@
                                speculative decoding); batch 1 only, as transformers allows
   transformers assisted        assisted generation with the draft checkpoint, only when it is a standalone
                                causal LM (unispec's drafts are heads on the target's hidden states)
-  onnxruntime-genai            Llama 3 targets: its model builder (fp32, cpu), cached under
-                               <cache>/ort-genai/<hash of the checkpoint's files>, then its Generator API
+  onnxruntime-genai            Llama 3 targets: its model builder (cpu) at the artifact's precision
+                               (GenaiPrecision), cached under <cache>/ort-genai/<hash of the checkpoint's
+                               files>-<precision>, then its Generator API
 
 A peer that cannot run is an `Unavailable` runner: every cell gets a row with its reason.
 Generated tokens are counted row by row up to and including a row's first eos.
@@ -25,8 +26,9 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -34,10 +36,12 @@ from typing import Any
 from runtime.manifest import Manifest
 from unispec.bench_common import BenchConfig, Pass, PeerUnavailable, Runner, first_line
 
-__all__ = ["HfRunner", "OrtGenaiRunner", "Unavailable", "machine_info", "peer_runners", "thread_limits"]
+__all__ = ["GenaiPrecision", "HfRunner", "OrtGenaiRunner", "Unavailable", "build_genai_model", "genai_build_command",
+           "genai_model_dir", "genai_precision", "machine_info", "peer_runners", "thread_limits"]
 
 HEAD_METHODS_WHY = "its draft is a head on the target's hidden states, not a causal LM transformers can load"
 GENAI_ARCHS = ("llama3",)
+GENAI_LM_HEAD = "/lm_head/MatMul"          # the builder's node name of the output head (excluded to keep it float)
 VERSIONED = ("unispec", "onnxruntime", "onnxruntime-genai", "torch", "transformers", "numpy")
 
 
@@ -63,7 +67,10 @@ def peer_runners(config: BenchConfig, manifest: Manifest, checkpoint: Path | Non
     if "transformers" in config.peers:
         runners += _hf_runners(manifest, checkpoint, missing)
     if "ort-genai" in config.peers:
-        runners.append(_genai_runner(config, manifest, checkpoint, missing))
+        runner = _genai_runner(config, manifest, checkpoint, missing)
+        runners.append(runner)
+        if isinstance(runner, OrtGenaiRunner):
+            notes.append(f"onnxruntime-genai built {runner.precision.describe()}")
     if runners and not missing:
         notes.append(f"peers load {checkpoint}")
     return runners, notes
@@ -179,8 +186,9 @@ def _genai_runner(config: BenchConfig, manifest: Manifest, checkpoint: Path | No
     if why is not None:
         return Unavailable(name, why)
     try:
-        return OrtGenaiRunner(name, build_genai_model(checkpoint, config.cache_dir / "ort-genai"), manifest,
-                              config.threads)
+        precision = genai_precision(manifest.quantization)
+        model_dir = build_genai_model(checkpoint, config.cache_dir / "ort-genai", precision)
+        return OrtGenaiRunner(name, model_dir, manifest, config.threads, precision)
     except PeerUnavailable as exc:
         return Unavailable(name, str(exc))
 
@@ -218,20 +226,81 @@ def checkpoint_digest(checkpoint: Path) -> str:
     return digest.hexdigest()[:20]
 
 
-def build_genai_model(checkpoint: Path, cache: Path) -> Path:
-    """The builder's fp32 CPU model of `checkpoint`, built once per checkpoint content and kept in `cache`."""
-    out = cache / checkpoint_digest(checkpoint)
+@dataclass(frozen=True, kw_only=True)
+class GenaiPrecision:
+    """The builder's weights for a peer: fp32, or weight-only int4 / int8 MatMulNBits, symmetric, blocks of
+    `block_size` along K, activations at `accuracy_level` (4: int8), the output head quantized iff `lm_head`.
+    Both round to nearest per block, but the builder's MLAS quantizer maps a block's largest magnitude to
+    -2^(bits-1) (scale amax / 8 for int4) where unispec's maps it to 2^(bits-1) - 1 (amax / 7): the same
+    bytes per weight and the same kernel, not the same codes."""
+
+    precision: str = "fp32"                 # the builder's -p: fp32 | int4 | int8
+    block_size: int | None = None
+    accuracy_level: int | None = None
+    lm_head: bool = False
+
+    @property
+    def tag(self) -> str:
+        """What the cache key adds to the checkpoint's hash: every option the built weights depend on."""
+        if self.precision == "fp32":
+            return "fp32"
+        return f"{self.precision}-b{self.block_size}-sym-acc{self.accuracy_level}-head{'q' if self.lm_head else 'f'}"
+
+    def builder_args(self) -> list[str]:
+        """-p and --extra_options (onnxruntime_genai.models.builder's names as of 0.18)."""
+        if self.precision == "fp32":
+            return ["-p", "fp32"]
+        extra = [f"block_size={self.block_size}", f"accuracy_level={self.accuracy_level}", "is_symmetric=true"]
+        if not self.lm_head:
+            extra.append(f"nodes_to_exclude={GENAI_LM_HEAD}")     # the builder quantizes every MatMul otherwise
+        return ["-p", self.precision, "--extra_options", *extra]
+
+    def describe(self) -> str:
+        if self.precision == "fp32":
+            return "fp32"
+        return (f"{self.precision} (MatMulNBits, block {self.block_size}, symmetric, accuracy level "
+                f"{self.accuracy_level}, lm_head {self.precision if self.lm_head else 'float32'}) as the artifact")
+
+
+def genai_precision(quantization: Mapping[str, Any] | None) -> GenaiPrecision:
+    """The peer's precision for an artifact's `quantization` manifest field (the target's; a quantized drafter
+    alone leaves the target float). PeerUnavailable where the builder would not make the same weights."""
+    # imported here, not at the top: importing engines.ort loads the whole lowering
+    from engines.ort.quant import DEFAULT_ACCURACY_LEVEL
+
+    if quantization is None or quantization.get("method") == "none":
+        return GenaiPrecision()
+    method, bits = quantization.get("method"), quantization.get("bits")
+    if method != "rtn" or bits not in (4, 8) or not quantization.get("symmetric", False):
+        described = " ".join(f"{k}={v}" for k, v in quantization.items() if k != "draft")
+        raise PeerUnavailable(f"its build matches float32 and --quantize int4/int8 targets; this one is {described}")
+    return GenaiPrecision(precision=f"int{bits}", block_size=int(quantization["block_size"]),
+                          accuracy_level=DEFAULT_ACCURACY_LEVEL, lm_head=bool(quantization.get("lm_head")))
+
+
+def genai_model_dir(checkpoint: Path, cache: Path, precision: GenaiPrecision) -> Path:
+    """Where the build of `checkpoint` at `precision` is kept: one folder per checkpoint content and precision."""
+    return cache / f"{checkpoint_digest(checkpoint)}-{precision.tag}"
+
+
+def genai_build_command(checkpoint: Path, out: Path, precision: GenaiPrecision) -> list[str]:
+    """The builder's command line (pure): `checkpoint` into `out` at `precision`, for its CPU provider."""
+    return [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(out),
+            "-e", "cpu", "-c", str(out / "hf-cache"), *precision.builder_args()]
+
+
+def build_genai_model(checkpoint: Path, cache: Path, precision: GenaiPrecision = GenaiPrecision()) -> Path:
+    """The builder's CPU model of `checkpoint` at `precision`, built once and kept in `cache`."""
+    out = genai_model_dir(checkpoint, cache, precision)
     if (out / "genai_config.json").is_file():
         return out
     cache.mkdir(parents=True, exist_ok=True)
     tmp = cache / f".{out.name}.tmp-{secrets.token_hex(4)}"
-    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(tmp),
-               "-p", "fp32", "-e", "cpu", "-c", str(tmp / "hf-cache")]
     try:
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(genai_build_command(checkpoint, tmp, precision), capture_output=True, text=True)
         if done.returncode != 0:
             lines = [line for line in done.stderr.splitlines() if line.strip()] or ["(no output)"]
-            raise PeerUnavailable(f"its model builder failed: {lines[-1].strip()}")
+            raise PeerUnavailable(f"its model builder failed ({precision.precision}): {lines[-1].strip()}")
         shutil.rmtree(tmp / "hf-cache", ignore_errors=True)
         os.replace(tmp, out)
     finally:
@@ -242,10 +311,11 @@ def build_genai_model(checkpoint: Path, cache: Path) -> Path:
 class OrtGenaiRunner:
     """onnxruntime-genai's Generator on a left-padded batch (its pad token marks the padding)."""
 
-    def __init__(self, name: str, model_dir: Path, manifest: Manifest, threads: int) -> None:
+    def __init__(self, name: str, model_dir: Path, manifest: Manifest, threads: int,
+                 precision: GenaiPrecision = GenaiPrecision()) -> None:
         import onnxruntime_genai as og
 
-        self.name, self.og = name, og
+        self.name, self.og, self.precision = name, og, precision
         config = og.Config(str(model_dir))
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         self.model = og.Model(config)

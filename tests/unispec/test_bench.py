@@ -24,7 +24,15 @@ from unispec.bench import (
     measure,
     measure_interleaved,
 )
-from unispec.bench_peers import Unavailable, count_generated, peer_runners
+from unispec.bench_peers import (
+    GenaiPrecision,
+    Unavailable,
+    count_generated,
+    genai_build_command,
+    genai_model_dir,
+    genai_precision,
+    peer_runners,
+)
 from unispec.cli import main
 
 PROMPTS = ["the quick brown fox", "hello world, this is", '{"a": 7, "name": "item 3"}']
@@ -84,6 +92,7 @@ def test_one_run_reports_every_engine_with_json_and_plot(tiny: dict[str, Path], 
             assert (lookup["why"] is None) == (size == 1)
             genai = rows[("onnxruntime-genai (cpu)", size, temperature)]
             assert genai["why"] is not None or genai["median"]["tokens"] == 8 * size
+            assert genai["why"] is not None or "onnxruntime-genai built fp32" in report["notes"]
 
 
 def test_peers_that_cannot_run_are_rows_saying_why(tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
@@ -103,6 +112,39 @@ def test_peers_that_cannot_run_are_rows_saying_why(tiny: dict[str, Path], monkey
                          manifest, tiny["target"])[0]
     row = measure(genai[0], [[[1, 2, 3]]], 0.0, 4)
     assert row.why == "onnxruntime-genai is not installed (pip install 'unispec[bench]')" and not row.passes
+
+
+def test_the_genai_peer_is_built_at_the_artifacts_precision(tmp_path: Path) -> None:
+    from engines.ort.quant import DEFAULT_ACCURACY_LEVEL
+    from export.quantize import QuantizeSettings
+
+    def args(precision: GenaiPrecision) -> list[str]:
+        command = genai_build_command(tmp_path / "ckpt", tmp_path / "out", precision)
+        assert command[command.index("-e") + 1] == "cpu" and command.count("-p") == 1
+        return command[command.index("-p") + 1:]
+
+    int4 = genai_precision(QuantizeSettings(bits=4, block_size=64).manifest_entry())
+    assert args(int4) == ["int4", "--extra_options", "block_size=64", f"accuracy_level={DEFAULT_ACCURACY_LEVEL}",
+                          "is_symmetric=true", "nodes_to_exclude=/lm_head/MatMul"]       # the head stays float
+    int8_head = genai_precision(QuantizeSettings(bits=8, block_size=32, lm_head=True).manifest_entry())
+    assert args(int8_head) == ["int8", "--extra_options", "block_size=32", f"accuracy_level={DEFAULT_ACCURACY_LEVEL}",
+                               "is_symmetric=true"]
+    fp32 = genai_precision(None)
+    assert args(fp32) == ["fp32"]
+    draft_only = {"method": "none", "draft": QuantizeSettings(bits=4).manifest_entry()}
+    assert genai_precision(draft_only) == fp32                          # a float target, its drafter int4
+    with pytest.raises(PeerUnavailable, match="float32 and --quantize int4/int8 targets; this one is method=awq"):
+        genai_precision({"method": "awq", "bits": 4, "group_size": 128, "zero_point": True})
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    int4_block32 = genai_precision(QuantizeSettings(bits=4, block_size=32).manifest_entry())
+    precisions = (fp32, int4, int4_block32, int8_head)
+    dirs = {genai_model_dir(checkpoint, tmp_path / "cache", p) for p in precisions}
+    assert len(dirs) == len(precisions)                 # a build at one precision never answers for another
+    again = genai_model_dir(checkpoint, tmp_path / "elsewhere", int4)
+    assert again.name == genai_model_dir(checkpoint, tmp_path / "cache", int4).name     # content, not place
 
 
 def test_a_failing_peer_is_a_row_and_medians_are_per_figure() -> None:
