@@ -41,9 +41,11 @@ from export.out_dir import plan_out_dir, staging
 from export.progress import Stages
 from export.quantize import DEFAULT_BLOCK_SIZE, QuantizeSettings, quantize_graph, quantize_settings
 from export.target_only import MODEL_NAME as TARGET_ONLY_NAME
+from plugins.pool_axes import LAYER, WIDTH
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ConfigError, ExportError
 from runtime.manifest import Manifest, PoolSpec, TensorSpec, TokenizerInfo
+from runtime.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
     import onnx
@@ -275,8 +277,9 @@ def _pools(inputs: tuple[TensorSpec, ...], step: UnifiedStep) -> tuple[PoolSpec,
     by_name = {t.name: t for t in inputs}
     pools = []
     for name, (layers, width) in step.pool_shapes().items():
-        spec = by_name[name]                                  # [num_blocks, layers, block_size, width]
-        assert tuple(spec.shape[1::2]) == (layers, width), f"{name}: graph {spec.shape} vs step {layers, width}"
+        spec = by_name[name]
+        found = (spec.shape[PoolLayout.axis(LAYER)], spec.shape[PoolLayout.axis(WIDTH)])
+        assert found == (layers, width), f"{name}: graph {spec.shape} vs step {layers, width}"
         pools.append(PoolSpec(name=name, delta=io.DELTA_OF_POOL[name], num_layers=layers, width=width,
                               dtype=spec.dtype))
     return tuple(pools)

@@ -18,6 +18,7 @@ import plugins
 from export.step.base import UnifiedStep
 from export.step.spec_glue import NOISE_CHANNELS
 from runtime import manifest as io
+from runtime.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -54,7 +55,8 @@ def example_feeds(step: UnifiedStep, *, lengths: Sequence[int] = (2, 3, 4), cach
     feeds[io.MIN_P][-1] = 0.05
     feeds[io.IN_THINKING_PHASE][-1] = True
     for name, (layers, width) in step.pool_shapes().items():
-        feeds[name] = torch.randn(num_blocks, layers, block_size, width, generator=g) * 0.5
+        shape = PoolLayout(num_blocks=num_blocks, layers=layers, block_size=block_size, width=width).shape
+        feeds[name] = torch.randn(shape, generator=g) * 0.5
     if io.DRAFT_PROBS in step.input_names:                           # q of the drafts: some sampled rows
         feeds[io.DRAFT_PROBS] = torch.softmax(torch.randn(batch, k, vocab, generator=g), dim=-1)
     if step.structured_output:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from runtime.pool_layout import segment_slots, write_committed
+from runtime.pool_layout import PoolLayout, segment_slots, write_committed
 
 
 class PagedPools:
@@ -23,7 +23,8 @@ class PagedPools:
                  dtype: torch.dtype = torch.float32, seed: int | None = 0) -> None:
         """`shapes` maps a pool name to (num_layers, width); `seed=None` keeps blocks in order."""
         self.block_size = block_size
-        self.pools = {name: torch.zeros(num_blocks, layers, block_size, width, dtype=dtype)
+        self.pools = {name: torch.zeros(PoolLayout(num_blocks=num_blocks, layers=layers, block_size=block_size,
+                                                   width=width).shape, dtype=dtype)
                       for name, (layers, width) in shapes.items()}
         order = list(range(num_blocks))
         if seed is not None:

@@ -51,6 +51,13 @@ class PoolLayout:
         shape = self.shape
         return tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))   # row-major
 
+    @classmethod
+    def of_shape(cls, shape: Any, dtype: str = "float32") -> PoolLayout:
+        """The layout of a pool of `shape` (POOL_AXES order; sizes kept as given, so a traced SymInt stays one)."""
+        sizes = dict(zip(POOL_AXES, shape, strict=True))
+        return cls(num_blocks=sizes[BLOCK], layers=sizes[LAYER], block_size=sizes[OFFSET], width=sizes[WIDTH],
+                   dtype=dtype)
+
     @staticmethod
     def axis(name: str) -> int:
         """The axis of `name` (plugins.pool_axes: block, layer, offset or width) in shape and strides."""

@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from plugins import ort_cpu
+from plugins.pool_axes import BLOCK, LAYER, OFFSET, WIDTH
 from runtime import manifest as io
+from runtime.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
     import onnx
@@ -172,8 +174,9 @@ def _probe(model: onnx.ModelProto, producer: dict[str, int], inputs: dict, pools
     pool_dims = [d.dim_value for d in inputs[pool[0]].type.tensor_type.shape.dim]
     if len(pool_dims) != 4 or 0 in pool_dims[1:]:
         return None
-    _, layers, block_size, width = pool_dims
-    by_column, by_slot = _coordinate_pools(_PROBE_DIMS["num_blocks"], layers, block_size, width)
+    layout = PoolLayout.of_shape(pool_dims)
+    block_size, width = layout.block_size, layout.width
+    by_column, by_slot = _coordinate_pools(_PROBE_DIMS["num_blocks"], layout.layers, block_size, width)
     feeds = {name: _dummy(inputs[name]) for name in others}
     feeds[io.BLOCK_TABLE] = _PROBE_TABLE
     try:
@@ -272,7 +275,8 @@ def _scatter_lands(model: onnx.ModelProto, nodes: list, producer: dict[str, int]
     if chain is None:
         return False
     chain_nodes, sources = chain
-    _, layers, block_size, width = [d.dim_value for d in inputs[read.pool].type.tensor_type.shape.dim]
+    layout = PoolLayout.of_shape([d.dim_value for d in inputs[read.pool].type.tensor_type.shape.dim])
+    layers, block_size, width = layout.layers, layout.block_size, layout.width
     sizes = {**_PROBE_DIMS, "batch": 2, "num_blocks": 4}
     table = np.array([[2, 0], [1, 3]], dtype=np.int64)
     slots = table.shape[1] * block_size                                    # P
@@ -328,8 +332,10 @@ def _reads_only_shapes(nodes: list, others: set[str]) -> bool:
 
 def _coordinate_pools(num_blocks: int, layers: int, block_size: int, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Probe pools whose every element names its coordinates: layer * W + column, and block * bs + slot."""
-    index = np.indices((num_blocks, layers, block_size, width))
-    return ((index[1] * width + index[3]).astype(np.float32), (index[0] * block_size + index[2]).astype(np.float32))
+    layout = PoolLayout(num_blocks=num_blocks, layers=layers, block_size=block_size, width=width)
+    index = np.indices(layout.shape)
+    block, layer, offset, column = (index[layout.axis(a)] for a in (BLOCK, LAYER, OFFSET, WIDTH))
+    return (layer * width + column).astype(np.float32), layout.slot(block, offset).astype(np.float32)
 
 
 def _with_head_axis(cache: np.ndarray) -> np.ndarray:

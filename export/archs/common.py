@@ -13,9 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plugins.pool_axes import BLOCK, LAYER, OFFSET, POOL_AXES, WIDTH
 from plugins.ragged import row_ids_of
+from runtime.pool_layout import PoolLayout
 
 M = TypeVar("M", bound=nn.Module)
+
+# gather_pool's one Gather on axis 0 and its permute are written for this axis order (runtime/pool_layout.py)
+assert POOL_AXES == (BLOCK, LAYER, OFFSET, WIDTH), POOL_AXES
 
 __all__ = ["RMSNorm", "adopt_weights", "gather_pool", "last_n_indices", "rms_norm", "row_ids_of", "scatter_rows"]
 
@@ -28,7 +33,8 @@ def gather_pool(kv_pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
     Returns [L, B, max_blocks * block_size, W]: slot p of row b holds absolute position p.
     """
     batch, max_blocks = block_table.shape
-    _, num_layers, block_size, width = kv_pool.shape
+    layout = PoolLayout.of_shape(kv_pool.shape)
+    num_layers, block_size, width = layout.layers, layout.block_size, layout.width
     # index_select exports as a plain Gather on axis 0 (advanced indexing would become GatherND).
     rows = kv_pool.index_select(0, block_table.reshape(-1))       # [B*MB, L, bs, W]
     rows = rows.reshape(batch, max_blocks, num_layers, block_size, width)

@@ -101,6 +101,9 @@ def test_shape_and_axes_follow_the_axis_order_the_kernels_read() -> None:
     assert layout.shape == tuple(sizes[axis] for axis in POOL_AXES)
     assert all(layout.shape[layout.axis(axis)] == size for axis, size in sizes.items())
     assert layout.strides[layout.axis(WIDTH)] == 1       # a pool row is one contiguous run
+    # a pool's shape read back (export's example feeds, the ORT lowering's probes, gather_pool) is the same layout
+    assert PoolLayout.of_shape(layout.shape) == layout
+    assert PoolLayout.of_shape(np.zeros(layout.shape).shape, dtype="float16").dtype == "float16"
 
 
 @settings(max_examples=100, deadline=None)
