@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.shared_export import shared_export
+
 if TYPE_CHECKING:
     from tests.runtime.artifacts import TinyArtifact
 
@@ -63,15 +65,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def _tiny_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], TinyArtifact]:
-    """(case of tests/runtime/artifacts.py, export dtype) -> its artifact, exported once per session. Every
-    fixture below reads this one cache: an export costs seconds to minutes, a test that reuses one nothing."""
-    from tests.runtime.artifacts import make_artifact
+    """(case of tests/runtime/artifacts.py, export dtype) -> its artifact, exported once per run (shared_export).
+    Every fixture below reads this one cache: an export costs seconds to minutes, a test that reuses one nothing."""
+    from tests.runtime.artifacts import make_artifact, open_artifact
 
     made: dict[tuple[str, str], TinyArtifact] = {}
 
     def get(case: str, dtype: str = "float32") -> TinyArtifact:
         if (case, dtype) not in made:
-            made[case, dtype] = make_artifact(case, tmp_path_factory.mktemp(f"{case}-{dtype}"), dtype=dtype)
+            folder = shared_export(tmp_path_factory, f"{case}-{dtype}",
+                                   lambda root: make_artifact(case, root, dtype=dtype))
+            made[case, dtype] = open_artifact(case, folder)
         return made[case, dtype]
 
     return get

@@ -95,7 +95,6 @@ def write_tokenizer(target_dir: Path, vocab_size: int) -> None:
 
 
 def make_artifact(case: str, root: Path, *, dtype: str = "float32") -> TinyArtifact:
-    from export.methods import build_step
     from export.tiny import write_tiny
     from unispec.exporting import export_model
 
@@ -104,11 +103,20 @@ def make_artifact(case: str, root: Path, *, dtype: str = "float32") -> TinyArtif
     paths = write_tiny(family=family, method=method, out_dir=root / "checkpoints", seed=0)
     if structured:
         write_tokenizer(paths["target"], vocab_size=320)
-    k = _k_for(method, paths.get("draft"))
-    step = build_step(method, paths["target"], paths.get("draft"), k=k).eval()
-    step.structured_output = structured
-    out = root / "artifact"
-    export_model(paths["target"], paths.get("draft"), method=method, num_speculative_tokens=k, out_dir=out,
+    export_model(paths["target"], paths.get("draft"), method=method,
+                 num_speculative_tokens=_k_for(method, paths.get("draft")), out_dir=root / "artifact",
                  dtype=dtype, structured_output=structured, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                  max_batch_size=MAX_BATCH, max_tokens_per_step=MAX_TOKENS_PER_STEP, progress=False)
-    return TinyArtifact(out, step, family, method)
+    return open_artifact(case, root)
+
+
+def open_artifact(case: str, root: Path) -> TinyArtifact:
+    """The artifact make_artifact wrote under `root`, with its torch step built again from the checkpoints."""
+    from export.methods import build_step
+
+    family, method = {**CASES, **JSON_CASES}[case]
+    target, draft = root / "checkpoints" / "target", root / "checkpoints" / "draft"
+    draft = draft if draft.is_dir() else None
+    step = build_step(method, target, draft, k=_k_for(method, draft)).eval()
+    step.structured_output = case in JSON_CASES
+    return TinyArtifact(root / "artifact", step, family, method)

@@ -1,4 +1,4 @@
-"""The bundled Llama 3 + DFlash artifact, exported once per session for the `unispec serve` tests."""
+"""The bundled Llama 3 + DFlash artifact, exported once per run for the `unispec serve` tests."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.shared_export import shared_export
 from tests.unispec.serving import export_bundled
 
 
 @pytest.fixture(scope="session")
 def bundled_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_bundled(tmp_path_factory.mktemp("serve") / "dflash")
+    return shared_export(tmp_path_factory, "bundled-dflash", lambda root: export_bundled(root / "dflash")) / "dflash"
