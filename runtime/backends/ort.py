@@ -244,10 +244,8 @@ def _open_session(artifact_dir: Path, manifest: io.Manifest, graph: io.Manifest 
     _check_options(ort, providers, num_threads)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    model = _with_native_kernels(options, model, artifact_dir / files[io.PORTABLE])
-    # issues 38/40: linears this CPU's kernel variant loses on go back to ONNX Runtime's ops (bytes, or the path);
-    # chosen per artifact, so its target-only graph computes the target's logits as its step graph does
-    source = _kernels_for_isa(options, model, 1 + manifest.num_speculative_tokens)
+    model, source = _graph_source(options, model, artifact_dir / files[io.PORTABLE],
+                                  1 + manifest.num_speculative_tokens)
     if num_threads is not None:
         options.intra_op_num_threads = num_threads
     try:
@@ -258,14 +256,26 @@ def _open_session(artifact_dir: Path, manifest: io.Manifest, graph: io.Manifest 
     return session
 
 
-def _with_native_kernels(options: Any, model: Path, portable: Path) -> Path:
+def _graph_source(options: Any, model: Path, portable: Path, rows: int) -> tuple[Path, str | bytes]:
+    """The graph file to open and what to hand InferenceSession for it, `model`'s graph parsed once for both
+    choices (a lowered graph holds 100s of MB of inline weights at the 1B shape); the parse is let go before
+    the session is created, whose peak it would raise."""
+    proto = _graph_proto(model)
+    chosen = _with_native_kernels(options, model, portable, proto)
+    # issues 38/40: linears this CPU's kernel variant loses on go back to ONNX Runtime's ops (bytes, or the path);
+    # chosen per artifact, so its target-only graph computes the target's logits as its step graph does
+    return chosen, _kernels_for_isa(options, chosen, rows, proto if chosen == model else None)
+
+
+def _with_native_kernels(options: Any, model: Path, portable: Path, proto: Any = None) -> Path:
     """The graph to open: `model` with unispec's CPU kernels registered when it uses them, else (no C++
     compiler, a failed build, nowhere to write one) the portable `model.onnx`, slower but the same math, with
     one warning. The library handed over is one this CPU runs and matches its build stamp (plugins/ort_cpu);
-    $UNISPEC_ORT_CPU_ISA naming a variant this CPU lacks is refused rather than silently run as model.onnx."""
+    $UNISPEC_ORT_CPU_ISA naming a variant this CPU lacks is refused rather than silently run as model.onnx.
+    `proto`: `model`'s graph without its weights when the caller has it parsed (else it is read here)."""
     from plugins import ort_cpu
 
-    if model == portable or not _uses_domain(model, ort_cpu.DOMAIN):
+    if model == portable or not _uses_domain(proto if proto is not None else _graph_proto(model), ort_cpu.DOMAIN):
         return model
     try:
         library = ort_cpu.library_path()
@@ -278,36 +288,39 @@ def _with_native_kernels(options: Any, model: Path, portable: Path) -> Path:
     return model
 
 
-def _kernels_for_isa(options: Any, model: Path, rows: int) -> str | bytes:
+def _kernels_for_isa(options: Any, model: Path, rows: int, proto: Any = None) -> str | bytes:
     """`model`'s path, or its graph as bytes with the PackedLinears that this CPU's kernel variant does not run
     at `rows` rows per request put back as ONNX Runtime's Gemm / MatMul (plugins/ort_cpu/choice.py). The
     weights file is still read from beside `model` (ORT resolves a graph loaded from bytes against the folder
-    given below); nothing is written."""
-    import onnx
-
+    given below); nothing is written. `proto`: `model`'s graph when the caller has it parsed; it is edited."""
     from plugins import ort_cpu
     from plugins.ort_cpu import choice
 
     try:
-        proto = onnx.load(str(model), load_external_data=False)
         variant = ort_cpu.isa()
-    except Exception:              # unreadable, or the ISA refused: _with_native_kernels / ORT say so
+    except Exception:              # the ISA refused: _with_native_kernels says so
         return str(model)
-    if not any(o.domain == ort_cpu.DOMAIN for o in proto.opset_import) or \
+    proto = proto if proto is not None else _graph_proto(model)
+    if proto is None or not _uses_domain(proto, ort_cpu.DOMAIN) or \
             not choice.revert_linears(proto, choice.for_variant(variant), rows):
         return str(model)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model.parent))
     return proto.SerializeToString()
 
 
-def _uses_domain(model: Path, domain: str) -> bool:
+def _graph_proto(model: Path) -> Any:
+    """`model`'s ModelProto without its external weights; None when unreadable (InferenceSession then says what
+    is wrong with it)."""
     import onnx
 
     try:
-        proto = onnx.load(str(model), load_external_data=False)
-    except Exception:              # unreadable: let InferenceSession say what is wrong with it
-        return False
-    return any(o.domain == domain for o in proto.opset_import)
+        return onnx.load(str(model), load_external_data=False)
+    except Exception:
+        return None
+
+
+def _uses_domain(proto: Any, domain: str) -> bool:
+    return proto is not None and any(o.domain == domain for o in proto.opset_import)
 
 
 def _check_options(ort: Any, providers: Sequence[str] | None, num_threads: int | None) -> None:
