@@ -23,6 +23,9 @@ x [..., K] ───────────────────────
   Eagle3, int4: 2.77 GB peak RSS for a 16.9 GB checkpoint, benchmarks/export_memory.py).
 - The lm_head (a linear whose float output reaches no other linear: logits only feed sampling) is quantized
   only when asked; embeddings (Gather) stay float. A weight also read by another op keeps its float copy.
+- The MoE op's expert stacks and a batched MatMul's weight (MLA's absorbed up-projections) are quantized
+  too, in their own layout behind a DQ feeding the op, as checkpoint FP8 weights are (export/quantize_ops.py);
+  the MoE router stays float: it picks the experts (DeepSeek's FP8 checkpoints keep it bf16 too).
 - The step graph and target_only.onnx quantize the same target linears into the same bytes, however the
   exporter wrote each (W, W^T, Transpose(W)): speculation is lossless only against the same quantized target.
 - A weight read by several linears (a drafter unrolled over its K draft steps) is stored once, but each
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
 
     import onnx
 
+    from export import quantize_ops
     from export.onnx_files import ExternalWriter
 
 METHOD = "rtn"
@@ -102,15 +106,16 @@ def quantize_settings(quantize: str, block_size: int = DEFAULT_BLOCK_SIZE,
 
 def quantize_blocks(weight: np.ndarray, *, bits: int, block_size: int, axis: int,
                     name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
-    """A 2-D float weight -> (codes int8 in [-QMAX, QMAX], scales in the weight's dtype), blocks of
-    `block_size` along `axis` (K). scales has K / block_size where the weight has K; an all-zero block gets
-    scale 1 (its codes are 0). The codes are computed against the stored (rounded) scale."""
-    assert weight.ndim == 2 and bits in QMAX, (weight.shape, bits)
+    """A float weight (a linear's [K, N] / [N, K], or a stack [..., K, ...] of them) -> (codes int8 in
+    [-QMAX, QMAX], scales in the weight's dtype), blocks of `block_size` along `axis` (K). scales has
+    K / block_size where the weight has K; an all-zero block gets scale 1 (its codes are 0). The codes are
+    computed against the stored (rounded) scale."""
+    assert weight.ndim >= 2 and bits in QMAX, (weight.shape, bits)
     k = weight.shape[axis]
-    _check_block(k, block_size, name, weight.shape)
-    rows = np.moveaxis(weight, axis, -1).astype(np.float32)                 # [M, K]
-    blocks = rows.reshape(rows.shape[0], k // block_size, block_size)       # [M, K/B, B]
-    scale = np.abs(blocks).max(axis=-1) / QMAX[bits]                        # [M, K/B]
+    check_block(k, block_size, name, weight.shape)
+    rows = np.moveaxis(weight, axis, -1).astype(np.float32)                 # [..., M, K]
+    blocks = rows.reshape(*rows.shape[:-1], k // block_size, block_size)    # [..., M, K/B, B]
+    scale = np.abs(blocks).max(axis=-1) / QMAX[bits]                        # [..., M, K/B]
     scale = np.where(scale > 0, scale, 1.0).astype(weight.dtype)
     stored = scale.astype(np.float32)[..., None]
     stored = np.where(stored > 0, stored, 1.0)                              # a scale that underflowed (float16)
@@ -118,7 +123,8 @@ def quantize_blocks(weight: np.ndarray, *, bits: int, block_size: int, axis: int
     return np.moveaxis(codes.reshape(rows.shape), -1, axis), np.moveaxis(scale, -1, axis)
 
 
-def _check_block(k: int, block_size: int, name: str, shape: Any) -> None:
+def check_block(k: int, block_size: int, name: str, shape: Any) -> None:
+    """One line naming the tensor when `block_size` does not divide its K."""
     if k % block_size:
         raise ExportError(f"--quant-block {block_size} does not divide K = {k} of '{name}' {list(shape)}; "
                           f"use a block size that divides {k}, or --quantize none")
@@ -140,35 +146,34 @@ class _Linear:
 
 def quantize_graph(model: onnx.ModelProto, settings: QuantizeSettings, source_dir: Path | None = None, *,
                    only: Callable[[str], bool] | None = None) -> int:
-    """Rewrite the linear layers of `model` as DequantizeLinear + MatMul, in place; returns how many nodes
-    changed. Every K is checked before anything is changed.
+    """Rewrite the linear layers of `model` as DequantizeLinear + MatMul, and the weights of the MoE op and
+    of batched MatMuls (MLA) as DequantizeLinear before them (export/quantize_ops.py), in place; returns how
+    many node inputs changed. Every K is checked before anything is changed. `only` judges a weight by its
+    name, or a folded constant's by the module reading it (quantize_ops.owner).
 
     Weights may be held in memory or stay in external files under `source_dir` (a trace loaded without its
     data). With `source_dir`, one float weight at a time is read and its codes and scales are appended to
     `source_dir`/QUANTIZED_NAME, pointed at from their initializers: the pass holds one weight and its codes,
     never the model, and write_weights streams the result like any traced tensor (issue 36).
     """
-    from export.onnx_files import nodes, opset_of
+    from export import quantize_ops
+    from export.onnx_files import ExternalWriter, nodes, opset_of
 
     opset = opset_of(model) or 0
     if opset < MIN_OPSET:
         raise ExportError(f"quantized weights need opset >= {MIN_OPSET} (DequantizeLinear's block_size); "
                           f"the graph is opset {opset}")
     graph = model.graph
-    linears = _linears(graph)
-    if not settings.lm_head:
-        heads = _heads(graph, linears)
-        linears = [linear for linear in linears if linear.node.output[0] not in heads]
-    if only is not None:     # after finding the heads: which linears are heads does not depend on the filter
-        linears = [linear for linear in linears if only(linear.weight)]
-    initializers = {tensor.name: tensor for tensor in graph.initializer}
-    for linear in linears:                            # fail before anything is written
-        dims = initializers[linear.weight].dims
-        _check_block(dims[1] if linear.transposed else dims[0], settings.block_size, linear.weight, dims)
-    new_nodes = _rewrite(graph, linears, settings, source_dir)
+    linears, others = _chosen(graph, settings, only)
+    with ExternalWriter(source_dir, QUANTIZED_NAME) as writer:
+        def add(tensor: onnx.TensorProto, axis: int) -> tuple[str, str]:
+            return _add_quantized(graph, tensor, False, settings, source_dir, writer, axis)
+
+        new_nodes = [*_rewrite(graph, linears, settings, source_dir, writer),
+                     *quantize_ops.rewrite(graph, others, settings.block_size, source_dir, add)]
     _drop_unread_transposes(graph)
     used = {name for node in nodes(graph) for name in node.input}
-    replaced = {linear.weight for linear in linears} - used       # float weights nothing else reads
+    replaced = {w.weight for w in (*linears, *others)} - used       # float weights nothing else reads
     kept = [tensor for tensor in graph.initializer if tensor.name not in replaced]
     del graph.initializer[:]
     graph.initializer.extend(kept)
@@ -176,34 +181,52 @@ def quantize_graph(model: onnx.ModelProto, settings: QuantizeSettings, source_di
     ordered = [*new_nodes, *graph.node]
     del graph.node[:]
     graph.node.extend(ordered)
-    return len(linears)
+    return len(linears) + len(others)
+
+
+def _chosen(graph: onnx.GraphProto, settings: QuantizeSettings, only: Callable[[str], bool] | None,
+            ) -> tuple[list[_Linear], list[quantize_ops.OpWeight]]:
+    """The linears and op weights `quantize_graph` rewrites, every K checked before anything is changed."""
+    from export import quantize_ops
+
+    linears = _linears(graph)
+    if not settings.lm_head:
+        heads = _heads(graph, linears)
+        linears = [linear for linear in linears if linear.node.output[0] not in heads]
+    others = quantize_ops.op_weights(graph)
+    if only is not None:     # after finding the heads: which linears are heads does not depend on the filter
+        linears = [linear for linear in linears if only(quantize_ops.owner(linear.weight, linear.node))]
+        others = [weight for weight in others if only(quantize_ops.owner(weight.weight, weight.node))]
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    checked = [(w.weight, int(w.transposed)) for w in linears] + [(w.weight, w.axis) for w in others if w.strict]
+    for name, axis in checked:
+        dims = initializers[name].dims
+        check_block(dims[axis], settings.block_size, name, dims)
+    return linears, quantize_ops.dividing(others, graph, settings.block_size)
 
 
 def _rewrite(graph: onnx.GraphProto, linears: list[_Linear], settings: QuantizeSettings,
-             source_dir: Path | None) -> list[onnx.NodeProto]:
+             source_dir: Path | None, writer: ExternalWriter) -> list[onnx.NodeProto]:
     """Each linear as MatMul(x, DQ(codes, scales)), a weight quantized once (its codes and scales appended
-    to the graph, external under `source_dir`); returns the new DQ / Identity nodes, in order."""
+    to the graph, external through `writer`); returns the new DQ / Identity nodes, in order."""
     from onnx import helper
-
-    from export.onnx_files import ExternalWriter
 
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     made: dict[tuple[str, bool], tuple[str, str]] = {}
     new_nodes = []
-    with ExternalWriter(source_dir, QUANTIZED_NAME) as writer:
-        for index, linear in enumerate(linears):
-            key = (linear.weight, linear.transposed)
-            dequantized = f"{linear.node.name or linear.weight}_dequantized_{index}"
-            if key in made:                               # a later use: scales of its own (module docstring)
-                codes, shared = made[key]
-                scales = f"{dequantized}_scale"
-                new_nodes.append(helper.make_node("Identity", [shared], [scales], name=f"{scales}_node"))
-            else:
-                made[key] = _add_quantized(graph, initializers[linear.weight], linear.transposed, settings,
-                                           source_dir, writer)
-                codes, scales = made[key]
-            new_nodes.append(_dequantize_node(codes, scales, dequantized, settings.block_size))
-            _as_matmul(linear.node, dequantized)
+    for index, linear in enumerate(linears):
+        key = (linear.weight, linear.transposed)
+        dequantized = f"{linear.node.name or linear.weight}_dequantized_{index}"
+        if key in made:                                   # a later use: scales of its own (module docstring)
+            codes, shared = made[key]
+            scales = f"{dequantized}_scale"
+            new_nodes.append(helper.make_node("Identity", [shared], [scales], name=f"{scales}_node"))
+        else:
+            made[key] = _add_quantized(graph, initializers[linear.weight], linear.transposed, settings,
+                                       source_dir, writer)
+            codes, scales = made[key]
+        new_nodes.append(_dequantize_node(codes, scales, dequantized, settings.block_size))
+        _as_matmul(linear.node, dequantized)
     return new_nodes
 
 
@@ -282,9 +305,9 @@ def _heads(graph: onnx.GraphProto, linears: list[_Linear]) -> set[str]:
 
 def _add_quantized(graph: onnx.GraphProto, tensor: onnx.TensorProto, transposed: bool,
                    settings: QuantizeSettings, source_dir: Path | None,
-                   writer: ExternalWriter) -> tuple[str, str]:
-    """Append the codes [K, N] and scales [K/B, N] of `tensor` as initializers (external through `writer`
-    when it has a file); returns their names."""
+                   writer: ExternalWriter, axis: int = 0) -> tuple[str, str]:
+    """Append the codes and scales of `tensor` (a linear's: [K, N], [K/B, N]; an op's: its own layout,
+    K / B along `axis`) as initializers (external through `writer` when it has a file); returns their names."""
     import ml_dtypes
     from onnx import numpy_helper
 
@@ -293,7 +316,7 @@ def _add_quantized(graph: onnx.GraphProto, tensor: onnx.TensorProto, transposed:
     weight = read_array(tensor, source_dir)
     if transposed:
         weight = weight.T                                 # [N, K] -> [K, N]
-    codes, scales = quantize_blocks(weight, bits=settings.bits, block_size=settings.block_size, axis=0,
+    codes, scales = quantize_blocks(weight, bits=settings.bits, block_size=settings.block_size, axis=axis,
                                     name=tensor.name)
     del weight                                            # before the codes are packed: one float copy at most
     codes = codes.astype(ml_dtypes.int4) if settings.bits == 4 else codes
