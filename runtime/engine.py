@@ -248,6 +248,7 @@ class Engine:
                 stream.rewind(checkpoint)
             raise
         self.num_steps += 1
+        self.on_step_outputs(plan, outputs)
         finished, verified = self._advance(plan, outputs, k)
         step_s = time.perf_counter() - started
         self.policy.record(kind, list(plan), step_s, all_decode, verified)
@@ -272,6 +273,10 @@ class Engine:
         for seq in self.scheduler.running:
             if seq.draft_len < seq.cache_len:
                 seq.cache_len, seq.drafts, seq.draft_probs = seq.draft_len, None, None
+
+    def on_step_outputs(self, plan: Plan, outputs: dict[str, np.ndarray]) -> None:
+        """Every step's graph outputs, before the engine reads them (valid until the next run): a hook for
+        subclasses (runtime/evaluation.py keeps each row's logits). Does nothing here."""
 
     def _advance(self, plan: Plan, outputs: dict[str, np.ndarray],
                  k: int) -> tuple[list[RequestOutput], list[tuple[SequenceState, int]]]:

@@ -16,6 +16,7 @@ from export.archs import FAMILIES
 from unispec.cli_bench import bench
 from unispec.cli_common import JSON_OPTION, MethodChoice, echo_json, our_logging, progress_mode, verbosity
 from unispec.cli_errors import OneLineErrors
+from unispec.cli_eval import eval_command
 from unispec.cli_export import build, export
 from unispec.cli_run import compare, run
 from unispec.cli_serve import serve
@@ -37,7 +38,7 @@ def main(ctx: click.Context, debug: bool, verbose: bool, quiet: bool) -> None:
     ctx.with_resource(our_logging(ctx.obj["verbosity"]))
 
 
-for _command in (export, build, run, serve, bench, compare):
+for _command in (export, build, run, serve, bench, compare, eval_command):
     main.add_command(_command)
 
 
