@@ -79,7 +79,7 @@ install-gpu: install
 		"onnxruntime-gpu==$$($(PY) -c 'import importlib.metadata as m; print(m.version("onnxruntime-gpu"))')"
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_FAST)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_PARALLEL) $(PYTEST_FAST)
 
 test-all: install
 	$(PY) -m pytest -q $(PYTEST_PARALLEL)
