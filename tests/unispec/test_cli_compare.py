@@ -18,15 +18,11 @@ from unispec.cli import main
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from export.tiny import write_tiny
-    from unispec.exporting import export_model
-
-    root = tmp_path_factory.mktemp("compare")
-    paths = write_tiny(family="llama3", method="eagle3", out_dir=root / "checkpoints", seed=0)
-    export_model(paths["target"], paths["draft"], method="eagle3", num_speculative_tokens=3, out_dir=root / "art",
-                 block_size=4, max_model_len=128, max_batch_size=8, max_tokens_per_step=64, progress=False)
-    return {**paths, "artifact": root / "art"}
+def tiny(tiny_artifact) -> dict[str, Path]:
+    """The session's tiny Llama 3 + Eagle3 artifact (tests/conftest.py) and the checkpoints it came from."""
+    artifact = tiny_artifact("llama3-eagle3").path
+    checkpoints = artifact.parent / "checkpoints"
+    return {"target": checkpoints / "target", "draft": checkpoints / "draft", "artifact": artifact}
 
 
 def _argv(tiny: dict[str, Path], *extra: str) -> list[str]:

@@ -156,6 +156,7 @@ def test_lossless_injected_drafts_and_exact_draft_kv(checkpoints, baselines, cas
     harness.check_injected_drafts(spec, pools, harness.requests(VOCAB), want, NOISE_CHANNELS)
 
 
+@pytest.mark.slow      # 20-50 s; tests/runtime/test_engine.py runs this method's artifact against torch
 def test_step_exports_and_onnxruntime_agrees(checkpoints, tmp_path: Path) -> None:
     harness.check_onnx_matches_torch(_spec(checkpoints, "llama3-gqa", 3), tmp_path / "eagle3.onnx", VOCAB)
 

@@ -64,6 +64,7 @@ def test_greedy_lossless_and_injected_drafts(dirs, baseline, spec3, k: int) -> N
     harness.check_injected_drafts(spec, pools, harness.requests(VOCAB), want, NOISE_CHANNELS)
 
 
+@pytest.mark.slow      # 20-50 s; tests/runtime/test_engine.py runs this method's artifact against torch
 def test_step_exports_and_onnxruntime_agrees(spec3, tmp_path) -> None:
     harness.check_onnx_matches_torch(spec3, tmp_path / "gemma4_mtp.onnx", VOCAB)
 

@@ -171,6 +171,7 @@ def test_drafter_shares_the_target_embedding_and_head(tiny, specs) -> None:
     assert torch.equal(tensors[f"{MTP}.embed_tokens.weight"], spec.target.embed_tokens.weight)
 
 
+@pytest.mark.slow      # 20-50 s; tests/runtime/test_engine.py runs this method's artifact against torch
 def test_step_exports_and_onnxruntime_agrees(specs, tmp_path) -> None:
     import onnx
 

@@ -166,9 +166,8 @@ GRAPHS = {
 }
 
 
-# `make test` runs three graphs (ORT's lazy rejection body, the eager sample-and-match one, ragged); all five in
-# `make test-all`
-FAST_GRAPHS = ("sample-and-match", "ragged", "rejection-and-draft, lazy")
+# `make test` runs two graphs (ORT's lazy rejection body, ragged); all five in `make test-all`
+FAST_GRAPHS = ("ragged", "rejection-and-draft, lazy")
 
 
 @pytest.fixture(scope="module", params=[name if name in FAST_GRAPHS else pytest.param(name, marks=pytest.mark.slow)

@@ -105,6 +105,7 @@ def test_onnx_runtime_gives_the_same_tokens(exported, inputs) -> None:
     assert (got[4] > 0).any(), "... by rejection sampling too"
 
 
+@pytest.mark.slow      # 23 s; every `none` artifact of the fast suite runs the K = 0 function too
 def test_k_zero_gets_its_own_function_and_runs_in_onnx_runtime(tmp_path) -> None:
     """Plain decoding (K = 0): the function is traced at K = 0; ONNX Runtime mishandles empty axes otherwise."""
     inputs = accept_inputs(2, rows=4, k=0, vocab=50)
