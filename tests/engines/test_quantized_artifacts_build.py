@@ -24,13 +24,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engines import tensorrt_build
 from engines.build import ENGINE_PLAN, ENGINE_SETTINGS, build_engine
 from engines.flavours import FLAVOURS, RTX_DEFAULT_TARGETS, RTX_FP8_TARGETS
 from engines.tensorrt.dequantize import split_shared_dequantize
 from export.quantize import QuantizeSettings, quantize_graph
 from runtime import manifest as io
 from runtime.errors import ConfigError
+from tests.engines.test_quantized_build import build as build_linear
 
 RTX = FLAVOURS["tensorrt-rtx"]
 HIDDEN, BLOCK = 64, 16
@@ -71,23 +71,9 @@ def split(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
 
 
 def build(model: onnx.ModelProto, path: Path, targets: tuple[str, ...]) -> tuple[bytes | None, str]:
-    """(plan or None, the one-line error `unispec build` would print), parsed and configured as
-    engines/tensorrt_build.py does, with one profile."""
-    trt = RTX.load()
-    onnx.save(model, str(path))
-    logger = tensorrt_build._logger(trt)
-    builder = trt.Builder(logger)
-    network, _ = tensorrt_build._network(trt, builder)
-    tensorrt_build._parse(trt, RTX, network, logger, path)
-    config = builder.create_builder_config()
-    RTX.configure(trt, config, targets)
-    profile = builder.create_optimization_profile()
-    profile.set_shape("x", (1, HIDDEN), (8, HIDDEN), (64, HIDDEN))
-    config.add_optimization_profile(profile)
-    logger.errors.clear()
-    plan = builder.build_serialized_network(network, config)
-    return (None if plan is None else bytes(plan)), tensorrt_build.build_error(RTX, trt.__version__, path, targets,
-                                                                               logger.errors)
+    """(plan or None, the one-line error `unispec build` would print), as tests/engines/test_quantized_build.py
+    builds its linears."""
+    return build_linear(model, path, targets, hidden=HIDDEN, max_rows=64)
 
 
 def test_each_reader_gets_a_dequantize_and_scales_of_its_own() -> None:

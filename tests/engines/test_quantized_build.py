@@ -75,9 +75,10 @@ def without_scale_identities(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def build(model: onnx.ModelProto, path: Path) -> tuple[bytes | None, str]:
+def build(model: onnx.ModelProto, path: Path, targets: tuple[str, ...] = RTX_DEFAULT_TARGETS, *,
+          hidden: int = HIDDEN, max_rows: int = 128) -> tuple[bytes | None, str]:
     """(plan or None, the one-line error `unispec build` would print), built as engines/tensorrt_build.py
-    builds: strongly typed network, ONNX parser, the default TensorRT-RTX targets, one profile."""
+    builds: strongly typed network, ONNX parser, `targets`, one profile over input "x" [rows, hidden]."""
     trt = RTX.load()
     onnx.save(model, str(path))
     logger = tensorrt_build._logger(trt)
@@ -85,13 +86,13 @@ def build(model: onnx.ModelProto, path: Path) -> tuple[bytes | None, str]:
     network, _ = tensorrt_build._network(trt, builder)
     tensorrt_build._parse(trt, RTX, network, logger, path)
     config = builder.create_builder_config()
-    RTX.configure(trt, config, RTX_DEFAULT_TARGETS)
+    RTX.configure(trt, config, targets)
     profile = builder.create_optimization_profile()
-    profile.set_shape("x", (1, HIDDEN), (8, HIDDEN), (128, HIDDEN))
+    profile.set_shape("x", (1, hidden), (8, hidden), (max_rows, hidden))
     config.add_optimization_profile(profile)
     logger.errors.clear()
     plan = builder.build_serialized_network(network, config)
-    message = tensorrt_build.build_error(RTX, trt.__version__, path, RTX_DEFAULT_TARGETS, logger.errors)
+    message = tensorrt_build.build_error(RTX, trt.__version__, path, targets, logger.errors)
     return (None if plan is None else bytes(plan)), message
 
 
