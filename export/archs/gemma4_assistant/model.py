@@ -49,7 +49,9 @@ from export.archs.gemma4_assistant.config import Gemma4AssistantConfig
 from export.archs.gemma4_assistant.weights import TOKEN_ORDERING, adapt_gemma4_assistant
 from export.step.sequential import DraftBatch, Drafter, SequentialStep
 from plugins.paged_attention.op import paged_attention
+from plugins.pool_axes import BLOCK, LAYER, OFFSET, POOL_AXES
 from runtime.errors import ExportError
+from runtime.pool_layout import PoolLayout
 
 if TYPE_CHECKING:
     from typing import Self
@@ -83,10 +85,13 @@ class PagedKV:
     def row_at(self, slots: torch.Tensor) -> torch.Tensor:
         """[B, W]: position slots[b] of row b, as `cache[b, slots[b]]` holds it: this step's row written
         there, else the pool's (one Gather of B pool rows and a scatter into B + 1 rows)."""
-        _, layers, block_size, width = self.pool.shape
+        layout = PoolLayout.of_shape(self.pool.shape)
+        block_size, width = layout.block_size, layout.width
+        rows_apart = {axis: int(stride) // width for axis, stride in zip(POOL_AXES, layout.strides)}  # in rows
         batch = slots.shape[0]
         blocks = self.block_table.gather(1, (slots // block_size)[:, None])[:, 0]                 # [B]
-        flat = (blocks * layers + self.slot) * block_size + slots % block_size                     # [B]
+        flat = (blocks * rows_apart[BLOCK] + self.slot * rows_apart[LAYER]
+                + slots % block_size * rows_apart[OFFSET])                                         # [B]
         from_pool = self.pool.reshape(-1, width).index_select(0, flat)                             # [B, W]
         written = self.positions == slots.index_select(0, self.row_ids)                            # [M]
         # a row written elsewhere lands on a spare row B, dropped after (each row has one written at slots[b])
