@@ -1,7 +1,7 @@
 """Benchmark (not a test): peak memory and time of `unispec export` against checkpoint size and depth.
 
     .venv/bin/python benchmarks/export_memory.py [--cases 1b,ds-4l,8b-eagle3:int4] [--work DIR] [--json]
-        [--dtype bfloat16] [--checkpoint-dtype bfloat16] [--keep-artifacts]
+        [--dtype bfloat16] [--checkpoint-dtype bfloat16] [--keep-artifacts] [--peer]
 
 Each case writes a random-weight checkpoint in code (bf16 safetensors, the real config fields incl.
 llama3 RoPE scaling; keys and shapes from transformers' own classes built on the meta device, so nothing
@@ -19,7 +19,8 @@ removed after each case.
 provider runs float16 / float32 only, so an artifact meant to run there takes --dtype float16 with
 --checkpoint-dtype float16: a cast would copy every weight). The budget is issue 36's: 0.25 x checkpoint
 + 1.5 GB for 8B shapes, 0.4 x checkpoint + 1.5 GB otherwise. --keep-artifacts keeps each artifact (the
-checkpoints still go) for `unispec inspect` / `unispec run`.
+checkpoints still go) for `unispec inspect` / `unispec run`. --peer also runs onnxruntime-genai's builder on each
+Llama checkpoint at the export's precision (int4 block 32, or fp32), for its wall time and peak RSS.
 """
 
 from __future__ import annotations
@@ -266,6 +267,31 @@ def run_export(target: Path, draft: Path | None, case: Case, out: Path, dtype: s
             "stages": stages}
 
 
+def run_peer(target: Path, case: Case, out: Path) -> dict[str, Any]:
+    """onnxruntime-genai's model builder on the same checkpoint, in a child process, at the export's precision
+    (`--quantize int4` -> its int4, block 32, symmetric; none -> fp32, as unispec bench's peer): its peak RSS
+    (wait4) and wall time."""
+    from unispec.bench_peers import genai_build_command, genai_precision
+
+    bits = {"none": None, "int4": 4, "int8": 8}[case.quantize]
+    precision = genai_precision(None if bits is None else {"method": "rtn", "bits": bits, "block_size": 32,
+                                                           "symmetric": True})
+    for name in ("tokenizer.json", "tokenizer_config.json"):     # the builder needs one; the weights are random
+        if not (target / name).exists():
+            shutil.copy(ROOT / "models" / "llama3" / name, target / name)
+    log = out.parent / "peer.log"
+    start = time.perf_counter()
+    with open(log, "w") as stderr:
+        child = subprocess.Popen(genai_build_command(target, out, precision), stdout=subprocess.DEVNULL,
+                                 stderr=stderr)
+        _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"onnxruntime-genai's builder failed: {log.read_text()[-2000:]}")
+    return {"peer": f"onnxruntime-genai {precision.precision}", "peer_wall_s": wall,
+            "peer_peak_rss_gb": usage.ru_maxrss * 1024 / 1e9}
+
+
 def memory_gb(pid: int) -> dict[str, float]:
     """VmRSS and its anonymous / file-backed parts of a live process, in GB (empty once it has gone)."""
     try:
@@ -277,7 +303,8 @@ def memory_gb(pid: int) -> dict[str, float]:
             (("rss", "VmRSS"), ("anon", "RssAnon"), ("file", "RssFile")) if key in fields}
 
 
-def run_case(case: Case, work: Path, dtype: str, checkpoint_dtype: str, keep: bool) -> dict[str, Any]:
+def run_case(case: Case, work: Path, dtype: str, checkpoint_dtype: str, keep: bool,
+             peer: bool = False) -> dict[str, Any]:
     home = work / case.name
     shutil.rmtree(home, ignore_errors=True)
     kept = work / f"{case.name}-artifact"
@@ -294,6 +321,8 @@ def run_case(case: Case, work: Path, dtype: str, checkpoint_dtype: str, keep: bo
         written = time.perf_counter() - started
         result = run_export(home / "target", draft, case, home / "artifact", dtype)
         artifact = sum(f.stat().st_size for f in (home / "artifact").iterdir())
+        if peer:
+            result.update(run_peer(home / "target", case, home / "peer"))
         if keep:
             shutil.rmtree(kept, ignore_errors=True)
             (home / "artifact").rename(kept)
@@ -316,6 +345,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print("  ".join(f"{fmt.format(row[name]):>18}" for name, fmt in columns))
     print("budget_gb = 0.25 x checkpoint + 1.5 GB for 8B shapes, 0.4 x otherwise (issue 36)")
     for row in rows:
+        if "peer" in row:
+            print(f"{row['case']}: {row['peer']} builder on the same checkpoint: {row['peer_wall_s']:.0f} s, "
+                  f"{row['peer_peak_rss_gb']:.2f} GB peak (unispec export: {row['wall_s'] / row['peer_wall_s']:.2f}x "
+                  f"its wall time)")
+    for row in rows:
         print(f"{row['case']}: peak GB per stage (rss / anon / file-backed)")
         for stage, peak in row["stages"].items():
             print(f"  {stage:<26} " + " / ".join(f"{peak.get(k, 0.0):5.2f}" for k in ("rss", "anon", "file")))
@@ -333,11 +367,14 @@ def main() -> None:
                         help="dtype of the random checkpoints")
     parser.add_argument("--keep-artifacts", action="store_true",
                         help="keep each artifact as <work>/<case>-artifact (the checkpoints still go)")
+    parser.add_argument("--peer", action="store_true",
+                        help="also time onnxruntime-genai's builder on each Llama checkpoint, same precision")
     args = parser.parse_args()
     cases = [parse_case(name) for name in args.cases.split(",")]
     rows = []
     for case in cases:
-        rows.append(run_case(case, args.work, args.dtype, args.checkpoint_dtype, args.keep_artifacts))
+        rows.append(run_case(case, args.work, args.dtype, args.checkpoint_dtype, args.keep_artifacts,
+                             peer=args.peer and case.family == "llama"))
         print(f"{case.name}: {rows[-1]['peak_rss_gb']:.2f} GB peak, {rows[-1]['wall_s']:.0f} s", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
