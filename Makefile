@@ -13,7 +13,7 @@ TORCH := torch==2.13.0+$(TORCH_BUILD)
 TORCH_INDEX := https://download.pytorch.org/whl/$(TORCH_BUILD)
 PYTEST_FAST := -m "not slow and not gpu and not trt"
 # one worker per core (pytest-xdist); a file's tests share a worker, so its module fixtures are built once
-PYTEST_PARALLEL := -n auto --dist loadgroup
+PYTEST_PARALLEL := -n auto --dist loadfile
 
 # make export TARGET=dir [DRAFT=dir] METHOD=mtp K=3 OUT=artifacts/x [DTYPE=float16] [EXPORT_ARGS="--block-size 8"]
 TARGET ?=

@@ -43,23 +43,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                       "needs TensorRT-RTX; pip install -e '.[trt-rtx]' (CPU-only engine builds)"),
     }
     # the longest file (the README's examples: an export, a server, an engine build) starts first, so that
-    # under `-n auto --dist loadgroup` it runs beside the rest instead of after it
+    # under `-n auto --dist loadfile` it runs beside the rest instead of after it
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONG_FIRST)
-    _group_by_file(items)
     for item in items:
         for marker, reason in skips.items():
             if reason and marker in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=reason))
-
-
-def _group_by_file(items: list[pytest.Item]) -> None:
-    """xdist groups (`make test`: `--dist loadgroup`): a worker runs a whole file, as `--dist loadfile` would,
-    and every file that reads the bundled serve artifact runs on one worker, one after another: spread over two,
-    one worker sat idle for a minute waiting for the other's export of it (tests/shared_export.py)."""
-    files = {item.nodeid.split("::")[0] for item in items if "bundled_artifact" in getattr(item, "fixturenames", ())}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("bundled-serve" if path in files else path))
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,4 +1,4 @@
-"""One export per test run, shared by the xdist workers of `make test` (`-n auto --dist loadgroup`)."""
+"""One export per test run, shared by the xdist workers (`make test` runs `-n auto --dist loadfile`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 def shared_export(tmp_path_factory: pytest.TempPathFactory, key: str, build: Callable[[Path], object]) -> Path:
     """The folder `build(folder)` fills, built once per test run whatever the number of xdist workers.
 
-    Under `make test` each xdist worker has its own session fixtures, so two workers whose files
+    Under `-n auto --dist loadfile` each worker has its own session fixtures, so two workers whose files
     read the same artifact would both export it (tens of seconds each). The folder lives beside the
     workers' own temp folders; the first worker to take its lock builds it, and the others wait and reuse it.
     """
