@@ -209,23 +209,17 @@ def _rewrite(graph: onnx.GraphProto, linears: list[_Linear], settings: QuantizeS
              source_dir: Path | None, writer: ExternalWriter) -> list[onnx.NodeProto]:
     """Each linear as MatMul(x, DQ(codes, scales)), a weight quantized once (its codes and scales appended
     to the graph, external through `writer`); returns the new DQ / Identity nodes, in order."""
-    from onnx import helper
+    from export.quantize_ops import dequantize_use
 
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     made: dict[tuple[str, bool], tuple[str, str]] = {}
     new_nodes = []
     for index, linear in enumerate(linears):
-        key = (linear.weight, linear.transposed)
         dequantized = f"{linear.node.name or linear.weight}_dequantized_{index}"
-        if key in made:                                   # a later use: scales of its own (module docstring)
-            codes, shared = made[key]
-            scales = f"{dequantized}_scale"
-            new_nodes.append(helper.make_node("Identity", [shared], [scales], name=f"{scales}_node"))
-        else:
-            made[key] = _add_quantized(graph, initializers[linear.weight], linear.transposed, settings,
-                                       source_dir, writer)
-            codes, scales = made[key]
-        new_nodes.append(_dequantize_node(codes, scales, dequantized, settings.block_size))
+        new_nodes += dequantize_use(                        # K-major [K, N] codes: blocks along axis 0
+            made, (linear.weight, linear.transposed), dequantized, 0, settings.block_size,
+            lambda: _add_quantized(graph, initializers[linear.weight], linear.transposed, settings,  # noqa: B023
+                                   source_dir, writer))
         _as_matmul(linear.node, dequantized)
     return new_nodes
 
@@ -325,13 +319,6 @@ def _add_quantized(graph: onnx.GraphProto, tensor: onnx.TensorProto, transposed:
     for array, name in ((codes, names[0]), (scales, names[1])):
         graph.initializer.append(writer.place(numpy_helper.from_array(np.ascontiguousarray(array), name)))
     return names
-
-
-def _dequantize_node(codes: str, scales: str, output: str, block_size: int) -> onnx.NodeProto:
-    from onnx import helper
-
-    return helper.make_node("DequantizeLinear", [codes, scales], [output], name=f"{output}_node", axis=0,
-                            block_size=block_size)
 
 
 def _as_matmul(node: onnx.NodeProto, weight: str) -> None:

@@ -103,6 +103,25 @@ def dividing(weights: list[OpWeight], graph: onnx.GraphProto, block_size: int) -
     return kept
 
 
+def dequantize_use(made: dict[Any, tuple[str, str]], key: Any, output: str, axis: int, block_size: int,
+                   quantize: Callable[[], tuple[str, str]]) -> list[onnx.NodeProto]:
+    """The nodes giving `output` = DQ(codes, scales) of the weight `key` names: on its first use `quantize()`
+    appends its codes and scales (their names are kept in `made`); a later use reads the same codes and the
+    scales through an Identity of its own (export/quantize.py's docstring says why)."""
+    from onnx import helper
+
+    nodes = []
+    if key in made:
+        codes, shared = made[key]
+        scales = f"{output}_scale"
+        nodes.append(helper.make_node("Identity", [shared], [scales], name=f"{scales}_node"))
+    else:
+        made[key] = codes, scales = quantize()
+    nodes.append(helper.make_node("DequantizeLinear", [codes, scales], [output], name=f"{output}_node", axis=axis,
+                                  block_size=block_size))
+    return nodes
+
+
 def rewrite(graph: onnx.GraphProto, weights: list[OpWeight], block_size: int, source_dir: Path | None,
             add: Callable[[onnx.TensorProto, int], tuple[str, str]]) -> list[onnx.NodeProto]:
     """Each weight's input replaced by DQ(codes, scales), equal weights quantized once by `add` (tensor, K
@@ -112,7 +131,7 @@ def rewrite(graph: onnx.GraphProto, weights: list[OpWeight], block_size: int, so
     from export.onnx_files import tensor_digest
 
     initializers = {tensor.name: tensor for tensor in graph.initializer}
-    made: dict[tuple[Any, ...], tuple[str, str]] = {}
+    made: dict[Any, tuple[str, str]] = {}
     new_nodes = []
     for index, weight in enumerate(weights):
         tensor = initializers[weight.weight]
@@ -120,14 +139,8 @@ def rewrite(graph: onnx.GraphProto, weights: list[OpWeight], block_size: int, so
         same = weight.weight if weight.strict else tensor_digest(tensor, source_dir)
         key = (same, tensor.data_type, tuple(tensor.dims), weight.axis)
         dequantized = f"{weight.node.name or weight.weight}_{weight.index}_dequantized_{index}"
-        if key in made:
-            codes, shared = made[key]
-            scales = f"{dequantized}_scale"
-            new_nodes.append(helper.make_node("Identity", [shared], [scales], name=f"{scales}_node"))
-        else:
-            made[key] = codes, scales = add(tensor, weight.axis)
-        new_nodes.append(helper.make_node("DequantizeLinear", [codes, scales], [dequantized],
-                                          name=f"{dequantized}_node", axis=weight.axis, block_size=block_size))
+        new_nodes += dequantize_use(made, key, dequantized, weight.axis, block_size,
+                                    lambda: add(tensor, weight.axis))     # noqa: B023 (called at once)
         weight.node.input[weight.index] = dequantized
         # typed as the float weight was: plugin functions are chosen by their inputs' dtypes (plugins/onnx_common)
         graph.value_info.append(helper.make_tensor_value_info(dequantized, tensor.data_type, tensor.dims))
