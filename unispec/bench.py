@@ -242,10 +242,11 @@ def load_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def find_prompts(config: BenchConfig, checkpoint: Path | None) -> Path:
-    """--prompts, else prompts.jsonl in or beside the target checkpoint, else the repo's models/prompts.jsonl."""
-    if config.prompts is not None:
-        return config.prompts
+def find_prompts(prompts: Path | None, checkpoint: Path | None) -> Path:
+    """`prompts` (--prompts), else prompts.jsonl in or beside the target checkpoint, else the repo's
+    models/prompts.jsonl (unispec bench and eval)."""
+    if prompts is not None:
+        return prompts
     near = [checkpoint / PROMPTS_NAME, checkpoint.parent / PROMPTS_NAME] if checkpoint is not None else []
     for path in [*near, REPO_PROMPTS]:
         if path.is_file():
@@ -302,7 +303,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda _: N
                                            speculation=config.speculation)
                              for d in (config.artifact_dir, config.baseline) if d is not None]
     checkpoint = checkpoint_for(config, manifest)
-    prompts = encode_prompts(runners[0], load_prompts(find_prompts(config, checkpoint)), config.chat)
+    prompts = encode_prompts(runners[0], load_prompts(find_prompts(config.prompts, checkpoint)), config.chat)
     rows: list[Row] = []
     with thread_limits(config.threads):
         peers, peer_notes = peer_runners(config, manifest, checkpoint)

@@ -23,8 +23,6 @@ from unispec.cli_errors import read_text
 
 __all__ = ["eval_command"]
 
-# export/train/pipeline.py's HELD_OUT_CHARS: the held-out text its model cards' loss is measured on
-HELD_OUT_CHARS = 600_000
 ARTIFACT_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 
 
@@ -104,7 +102,7 @@ def _text_ids(config: EvalConfig, m: Any) -> tuple[list[int], str]:
                                   "export from a checkpoint that ships its tokenizer")
     if config.text is not None:
         return tokenizer.encode(read_text(config.text, "--text"), add_special_tokens=False), str(config.text)
-    from export.train.corpus import stdlib_corpus
+    from export.train.corpus import HELD_OUT_CHARS, stdlib_corpus
 
     try:
         corpus = stdlib_corpus()
@@ -128,16 +126,14 @@ def _no_acceptance(config: EvalConfig, m: Any, ref: Any) -> str | None:
 
 
 def _prompts(config: EvalConfig, m: Any) -> list[str]:
-    """--prompts, else prompts.jsonl in or beside the target checkpoint, else models/prompts.jsonl."""
-    from unispec.bench import PROMPTS_NAME, REPO_PROMPTS, load_prompts
+    """The acceptance prompts, found as `unispec bench` finds its own."""
+    from unispec.bench import find_prompts, load_prompts
 
     checkpoint = Path(m.target_checkpoint) if m.target_checkpoint else None
-    near = [checkpoint / PROMPTS_NAME, checkpoint.parent / PROMPTS_NAME] if checkpoint is not None else []
-    found = [p for p in [*near, REPO_PROMPTS] if p.is_file()]
-    if config.prompts is None and not found:
-        raise InvalidRequestError(f"no acceptance prompts: pass --prompts FILE or --new-tokens 0; looked for "
-                                  f"{', '.join(map(str, [*near, REPO_PROMPTS]))}")
-    return load_prompts(config.prompts or found[0])
+    try:
+        return load_prompts(find_prompts(config.prompts, checkpoint))
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{exc}; or --new-tokens 0 to skip the acceptance lengths") from None
 
 
 def _weights(m: Any) -> str:

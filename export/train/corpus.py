@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HELD_OUT_MODULUS = 10
+HELD_OUT_CHARS = 600_000       # of held-out text the model cards' held-out loss (and `unispec eval`) reads
 MAX_FILE_BYTES = 150_000
 SKIPPED_TOP = ("test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "pydoc_data", "ensurepip")
 

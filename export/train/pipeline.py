@@ -19,14 +19,13 @@ import torch
 
 from export.train import cards
 from export.train.common import Schedule
-from export.train.corpus import held_out_prompts, stdlib_corpus, write_prompts
+from export.train.corpus import HELD_OUT_CHARS, held_out_prompts, stdlib_corpus, write_prompts
 from export.train.drafts import SAMPLING
 from export.train.tokenizer import EOS, MASK, PAD, save_tokenizer, train_tokenizer
 
 SEED = 20261122
 VOCAB = 1024
 TRAIN_CHARS = 8_000_000
-HELD_OUT_CHARS = 600_000
 NUM_PROMPTS = 48
 STAMP = "unispec-train.json"
 NUM_SEQUENCES, NUM_HELD_SEQUENCES, PROMPT_LEN, SEQUENCE_LEN = 1024, 64, 32, 128

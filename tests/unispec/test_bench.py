@@ -234,9 +234,9 @@ def test_prompt_files_and_where_they_are_found(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(bench, "REPO_PROMPTS", tmp_path / "models" / "prompts.jsonl")
     config = BenchConfig(artifact_dir=tmp_path)
     with pytest.raises(InvalidRequestError, match="no prompts: pass --prompts FILE"):
-        bench.find_prompts(config, checkpoint)
+        bench.find_prompts(config.prompts, checkpoint)
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "beside"}\n')
-    assert bench.find_prompts(config, checkpoint) == tmp_path / "prompts.jsonl"
+    assert bench.find_prompts(config.prompts, checkpoint) == tmp_path / "prompts.jsonl"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -163,8 +163,7 @@ def test_by_default_the_bundled_models_held_out_windows_are_scored(bundled_artif
     from tokenizers import Tokenizer
 
     from export.train.common import fixed_windows
-    from export.train.corpus import stdlib_corpus
-    from unispec.cli_eval import HELD_OUT_CHARS
+    from export.train.corpus import HELD_OUT_CHARS, stdlib_corpus
 
     result = CliRunner().invoke(main, ["eval", str(bundled_artifact), "--reference", str(bundled_artifact),
                                        "--new-tokens", "0", "--json"])
