@@ -17,6 +17,7 @@ import torch
 import plugins
 from export.step.base import UnifiedStep
 from export.step.spec_glue import NOISE_CHANNELS
+from plugins.onnx_optimizer import fast_rules
 from runtime import manifest as io
 from runtime.pool_layout import PoolLayout
 
@@ -143,10 +144,11 @@ def export_module(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path:
     Custom ops (plugins/) become single `unispec` nodes; their reference functions are attached after the
     export, because the exporter inlines every function it is given (DESIGN.md §4).
     """
-    program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=OPSET,
-                                input_names=list(input_names), output_names=list(output_names),
-                                dynamic_shapes=dynamic_shapes, verbose=False,
-                                custom_translation_table=plugins.custom_translation_table())
+    with fast_rules():      # the exporter's optimize step, without its O(N²) rule (plugins/onnx_optimizer.py)
+        program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=OPSET,
+                                    input_names=list(input_names), output_names=list(output_names),
+                                    dynamic_shapes=dynamic_shapes, verbose=False,
+                                    custom_translation_table=plugins.custom_translation_table())
     plugins.attach_functions_ir(program.model)
     save_streamed(program.model, Path(path))
     return Path(path)

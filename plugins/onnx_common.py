@@ -32,6 +32,7 @@ import torch
 from onnx.defs import OpSchema
 
 from plugins import function_cache
+from plugins.onnx_optimizer import fast_rules
 
 DOMAIN = "unispec"
 DOMAIN_VERSION = 1
@@ -247,10 +248,12 @@ def export_reference(spec: PluginSpec, attributes: Mapping[str, Any], dtypes: tu
     # other dim is dynamic and must stay so.
     dynamic = torch.export.Dim.DYNAMIC
     shapes = tuple({axis: dynamic for axis in range(x.dim()) if x.shape[axis] > 1} for x in inputs)
-    program = torch.onnx.export(_Bound(spec.reference, attributes, present).eval(), inputs, dynamo=True,
-                                opset_version=opset, input_names=[p.name for p, h in zip(spec.inputs, present) if h],
-                                output_names=[p.name for p in spec.outputs], dynamic_shapes=(shapes,),
-                                verbose=False)
+    with fast_rules():
+        program = torch.onnx.export(_Bound(spec.reference, attributes, present).eval(), inputs, dynamo=True,
+                                    opset_version=opset,
+                                    input_names=[p.name for p, h in zip(spec.inputs, present) if h],
+                                    output_names=[p.name for p in spec.outputs], dynamic_shapes=(shapes,),
+                                    verbose=False)
     for value, example in zip(program.model.graph.inputs, inputs):  # a frozen dim would break other shapes
         wanted_dynamic = [size > 1 for size in example.shape]
         if value.shape is None or any(want and not isinstance(d, ir.SymbolicDim)

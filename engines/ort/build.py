@@ -17,6 +17,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+from plugins.onnx_optimizer import fast_rules
 from plugins.quiet import quiet_libraries
 from runtime import manifest as io
 
@@ -69,7 +70,7 @@ def lower_graph(directory: Path, name: str, source: str = io.MODEL_NAME) -> None
     plugins.attach_ort_functions(model)
     lowering.lower(model, lowering.find_pool_reads(onnx.load(str(directory / source), load_external_data=False)))
     fusions.fuse(model)
-    with _quiet():
+    with _quiet(), fast_rules():
         onnxscript.optimizer.optimize_ir(model)
     quant.lower(model)          # DQ + MatMul that ONNX Runtime would not fuse into MatMulNBits itself
     linear.lower(model)
