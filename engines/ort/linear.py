@@ -10,6 +10,16 @@ MLAS's time at 8 rows for weights of 4 MB and more, 0.72-0.93x at one, on par at
 benchmarks/packed_linear.py, docs/notes/cpu-kernels.md). The weight
 stays where it is (the external file, mapped by ONNX Runtime); the kernel packs it once per session.
 
+Then the moved linears are grouped (`group`): a small model's decode step is dispatch-bound (~1-5 us a node on
+one core), and one PackedLinear takes up to four weights of one X as one stream of panels:
+
+    x -> PackedLinear(Wq) -> q          x -> PackedLinear(Wq, Wk, Wv) -> q, k, v
+    x -> PackedLinear(Wk) -> k    =>
+    x -> PackedLinear(Wv) -> v
+
+    x -> PackedLinear(Wg) -> g -> Sigmoid -> Mul(g, .) -> Mul(., u) -> h
+    x -> PackedLinear(Wu) -> u ---------------------------^              =>  x -> PackedLinear(Wg, Wu, swiglu=1) -> h
+
 Batched MatMuls (a MoE's stacked experts, attention's products) are left to ONNX Runtime. model.onnx, which
 TensorRT builds, is never changed.
 """
@@ -25,8 +35,12 @@ if TYPE_CHECKING:
     import onnx_ir as ir
 
 
-def lower(model: ir.Model) -> int:
-    """Move every eligible Gemm / MatMul of the main graph to PackedLinear, in place. Returns how many moved.
+MAX_WEIGHTS = 4                  # PackedLinear's inputs 1..4 (plugins/ort_cpu/matmul.cc)
+
+
+def lower(model: ir.Model, *, grouped: bool = True) -> int:
+    """Move every eligible Gemm / MatMul of the main graph to PackedLinear, in place, then (`grouped`) merge
+    those of one X (`group`). Returns how many linears moved.
 
     Only the main graph, where the exported steps keep every linear layer: PackedLinear needs its weight
     handed over as a constant at kernel creation, which is not established for a node inside a subgraph
@@ -48,7 +62,88 @@ def lower(model: ir.Model) -> int:
         moved += 1
     if moved:
         model.opset_imports[ort_cpu.DOMAIN] = 1
+        if grouped:
+            group(model.graph)
     return moved
+
+
+def group(graph: ir.Graph) -> int:
+    """Merge, in place, the main graph's PackedLinears that read one X: gate / up of a SwiGLU MLP into one
+    node computing silu(x Wg^T) * (x Wu^T), then the other single-weight ones of one layout and K (q, k, v;
+    a drafter's siblings) into multi-output nodes of up to MAX_WEIGHTS weights. Returns how many nodes went."""
+    before = len(graph)
+    for gate in [node for node in graph if _single(node)]:
+        if gate.graph is graph and (found := _swiglu(gate)) is not None:
+            up, removed, out = found
+            _merge(graph, [gate, up], [out], removed, {"swiglu": 1})
+    siblings: dict[tuple[int, int, int], list[ir.Node]] = {}
+    for node in graph:
+        if _single(node) and not node.attributes.get_int("swiglu", 0):
+            siblings.setdefault(_sibling_key(node), []).append(node)
+    for nodes in siblings.values():
+        for at in range(0, len(nodes) - 1, MAX_WEIGHTS):
+            chunk = nodes[at:at + MAX_WEIGHTS]
+            if len(chunk) > 1:
+                _merge(graph, chunk, [n.outputs[0] for n in chunk], chunk, {})
+    return before - len(graph)
+
+
+def _single(node: ir.Node) -> bool:
+    return node.op_type == "PackedLinear" and node.domain == ort_cpu.DOMAIN and len(node.inputs) == 2
+
+
+def _sibling_key(node: ir.Node) -> tuple[int, int, int]:
+    """(X, layout, K): what the linears of one node share."""
+    trans_b = node.attributes.get_int("trans_b", 1)
+    return id(node.inputs[0]), trans_b, node.inputs[1].shape[1 if trans_b else 0]
+
+
+def _sole_use(value: ir.Value) -> ir.Node | None:
+    users = {id(use.node): use.node for use in value.uses()}
+    return next(iter(users.values())) if len(users) == 1 and not value.is_graph_output() else None
+
+
+def _swiglu(gate: ir.Node) -> tuple[ir.Node, list[ir.Node], ir.Value] | None:
+    """(the up linear, the nodes the fused one replaces, its output) when `gate`'s output g is read only as
+    Mul(Mul(g, Sigmoid(g)), u) (either operand order) with u a PackedLinear of the same X and weight shape
+    that nothing else reads."""
+    g = gate.outputs[0]
+    users = {id(use.node): use.node for use in g.uses()}
+    sigmoid = next((n for n in users.values() if n.op_type == "Sigmoid"), None)
+    if g.is_graph_output() or len(users) != 2 or sigmoid is None or _sole_use(sigmoid.outputs[0]) is None:
+        return None
+    silu = _sole_use(sigmoid.outputs[0])
+    if silu.op_type != "Mul" or {id(v) for v in silu.inputs} != {id(g), id(sigmoid.outputs[0])} or id(silu) not in users:
+        return None
+    times = _sole_use(silu.outputs[0])
+    if times is None or times.op_type != "Mul" or len(times.inputs) != 2:
+        return None
+    u = times.inputs[1] if times.inputs[0] is silu.outputs[0] else times.inputs[0]
+    up = u.producer()
+    if (up is None or up is gate or not _single(up) or _sole_use(u) is not times or up.inputs[0] is not gate.inputs[0]
+            or up.attributes.get_int("trans_b", 1) != gate.attributes.get_int("trans_b", 1)
+            or up.inputs[1].shape != gate.inputs[1].shape):
+        return None
+    return up, [gate, sigmoid, silu, up, times], times.outputs[0]
+
+
+def _merge(graph: ir.Graph, linears: list[ir.Node], outputs: list[ir.Value], removed: list[ir.Node],
+           attributes: dict[str, int]) -> None:
+    """One PackedLinear(x, W_1 .. W_n) computing `outputs` in place of `removed`, put where the first of
+    `linears` was (x and the weights are ready there, and every reader of an output comes later)."""
+    import onnx_ir as ir
+
+    first = min(linears, key=list(graph).index)
+    merged = ir.node("PackedLinear", inputs=[first.inputs[0], *(n.inputs[1] for n in linears)], domain=ort_cpu.DOMAIN,
+                     version=1, attributes={"trans_b": first.attributes.get_int("trans_b", 1), **attributes},
+                     name=first.name, num_outputs=len(outputs))
+    graph.insert_before(first, merged)
+    for new, was in zip(merged.outputs, outputs):
+        new.shape, new.type = was.shape, was.type
+        ir.convenience.replace_all_uses_with(was, new, replace_graph_outputs=True)
+    graph.remove(removed, safe=True)
+    for new, was in zip(merged.outputs, outputs):
+        new.name = was.name
 
 
 def _layout(node: ir.Node) -> int | None:

@@ -4,8 +4,9 @@
     isa()                  -> the instruction-set variant that library is built for (variants.py)
     packed_linear_bytes()  -> what that library's PackedLinear kernels hold packed in this process
 
-Ops: PagedAttentionPool / PagedAttentionPoolRows (paged_attention.cc), SpecAccept and SampleDraft
-(spec_accept.cc), PackedLinear (matmul.cc); register.cc adds them all to the domain. The sources (*.cc,
+Ops: PagedAttentionPool / PagedAttentionPoolRows (paged_attention.cc), PagedAttentionRope /
+PagedAttentionRopeRows (paged_attention_rope.cc: a layer's RoPE, KV delta row and that attention), SpecAccept
+and SampleDraft (spec_accept.cc), PackedLinear (matmul.cc); register.cc adds them all to the domain. The sources (*.cc,
 *.h) ship with the package; the library is built with the system's C++ compiler (`$CXX`,
 else c++/g++) once per ISA variant (avx512, avx2, portable: chosen at run time by the CPU's flags) into a
 cache folder keyed by the sources, the flags and the variant. The constants the kernels share with Python
@@ -37,8 +38,10 @@ __all__ = ["DOMAIN", "BuildError", "IsaError", "build", "cache_dir", "compiler",
            "packed_linear_bytes"]
 
 DOMAIN = "unispec.cpu"
-SOURCES = ("paged_attention.cc", "paged_attention_attend.h", "paged_attention_blocks.h", "spec_accept.cc",
-           "spec_accept_truncation.h", "matmul.cc", "matmul_tiles.h", "register.cc", "kernel.h", "ort_abi.h")
+SOURCES = ("paged_attention.cc", "paged_attention_attend.h", "paged_attention_blocks.h", "paged_attention_pool.h",
+           "paged_attention_rope.cc", "spec_accept.cc",
+           "spec_accept_truncation.h", "matmul.cc", "matmul_tiles.h", "matmul_group.h", "register.cc", "kernel.h",
+           "ort_abi.h")
 FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 # glibc's vector math library: the sampling kernels' float64 exp, four lanes at a time on AVX2 (spec_accept.cc)
 VECTOR_MATH = ("-DUNISPEC_MVEC", "-lmvec") if sys.platform == "linux" and platform.machine() == "x86_64" else ()

@@ -3,7 +3,8 @@ ONNX Runtime op it replaces on that ISA (issues 38/40); elsewhere the session ke
 at session creation by the variant this CPU runs (variants.current(), from its CPUID flags).
 
 PackedLinear is the one kernel ever put back: `PackedLinear(x, W, trans_b)` is `Gemm(x, W, transB=1)` /
-`MatMul(x, W)` / `MatMul(x, Transpose(W))` over the same initializer, the lowering's exact inverse. The paged
+`MatMul(x, W)` / `MatMul(x, Transpose(W))` over the same initializer, the lowering's exact inverse; a group
+(weights W_1..W_n of one x, or swiglu's gate and up) goes back as one such node per weight (+ Sigmoid, Mul, Mul). The paged
 attention and sampling kernels replace subgraphs that model.ort.onnx no longer holds, and they won at every
 shape measured (0.03-0.66x ONNX Runtime's time on AVX2 and AVX-512), so they always run.
 
@@ -91,8 +92,9 @@ def describe_current() -> str:
 
 def revert_linears(model: onnx.ModelProto, choice: Choice, rows: int) -> int:
     """Puts back, in place, every PackedLinear of `model`'s main graph that `choice` does not run at `rows`
-    rows per request as the ONNX op the lowering replaced (same inputs, outputs and weight initializer).
-    Returns how many were put back."""
+    rows per request (decided on all its weights' bytes together: a group runs as one node) as the ONNX ops
+    the lowering replaced: one Gemm / MatMul per weight, same inputs, outputs and weight initializers, and
+    for `swiglu` Sigmoid, Mul, Mul after the gate and up products. Returns how many nodes were put back."""
     graph = model.graph
     weights = {w.name: w for w in graph.initializer}
     # x's rank: Gemm takes only 2-D inputs, so another rank (or none recorded) gets MatMul over Transpose(W)
@@ -100,11 +102,12 @@ def revert_linears(model: onnx.ModelProto, choice: Choice, rows: int) -> int:
              if v.type.tensor_type.HasField("shape")}
     nodes, reverted = [], 0
     for node in graph.node:
-        weight = weights.get(node.input[1]) if _is_packed_linear(node) else None
-        if weight is None or weight.data_type != _FLOAT or choice.packed_linear(rows, 4 * math.prod(weight.dims)):
+        group = [weights.get(name) for name in node.input[1:]] if _is_packed_linear(node) else [None]
+        if (any(w is None or w.data_type != _FLOAT for w in group)
+                or choice.packed_linear(rows, sum(4 * math.prod(w.dims) for w in group))):
             nodes.append(node)
             continue
-        nodes += _onnx_linear(node, ranks.get(node.input[0]))
+        nodes += _onnx_linears(node, ranks.get(node.input[0]))
         reverted += 1
     if reverted:
         del graph.node[:]
@@ -113,19 +116,34 @@ def revert_linears(model: onnx.ModelProto, choice: Choice, rows: int) -> int:
 
 
 def _is_packed_linear(node: onnx.NodeProto) -> bool:
-    return node.domain == DOMAIN and node.op_type == "PackedLinear" and len(node.input) == 2
+    return node.domain == DOMAIN and node.op_type == "PackedLinear" and 2 <= len(node.input) <= 5
 
 
-def _onnx_linear(node: onnx.NodeProto, x_rank: int | None) -> list[onnx.NodeProto]:
-    """The ONNX node(s) computing `node`'s PackedLinear: what engines/ort/linear.py replaced."""
+def _onnx_linears(node: onnx.NodeProto, x_rank: int | None) -> list[onnx.NodeProto]:
+    """The ONNX nodes computing `node`'s PackedLinear: what engines/ort/linear.py replaced."""
     from onnx import helper
 
-    x, weight = node.input
-    trans_b = next((a.i for a in node.attribute if a.name == "trans_b"), 1)
+    attrs = {a.name: a.i for a in node.attribute}
+    if not attrs.get("swiglu", 0):
+        names = [node.name] if len(node.output) == 1 else [f"{node.name}/{i}" for i in range(len(node.output))]
+        return [n for weight, out, name in zip(node.input[1:], node.output, names)
+                for n in _onnx_linear(node.input[0], weight, out, attrs.get("trans_b", 1), x_rank, name)]
+    (out,) = node.output
+    gate, up, sigmoid, silu = (f"{out}/{part}" for part in ("gate", "up", "sigmoid", "silu"))
+    return [*_onnx_linear(node.input[0], node.input[1], gate, attrs.get("trans_b", 1), x_rank, f"{node.name}/gate"),
+            *_onnx_linear(node.input[0], node.input[2], up, attrs.get("trans_b", 1), x_rank, f"{node.name}/up"),
+            helper.make_node("Sigmoid", [gate], [sigmoid], name=f"{node.name}/sigmoid"),
+            helper.make_node("Mul", [gate, sigmoid], [silu], name=f"{node.name}/silu"),
+            helper.make_node("Mul", [silu, up], [out], name=node.name)]
+
+
+def _onnx_linear(x: str, weight: str, out: str, trans_b: int, x_rank: int | None, name: str) -> list[onnx.NodeProto]:
+    from onnx import helper
+
     if not trans_b:
-        return [helper.make_node("MatMul", [x, weight], list(node.output), name=node.name)]
+        return [helper.make_node("MatMul", [x, weight], [out], name=name)]
     if x_rank == 2:
-        return [helper.make_node("Gemm", [x, weight], list(node.output), name=node.name, transB=1)]
-    transposed = f"{node.output[0]}/weight_transposed"
-    return [helper.make_node("Transpose", [weight], [transposed], name=f"{node.name}/transpose", perm=[1, 0]),
-            helper.make_node("MatMul", [x, transposed], list(node.output), name=node.name)]
+        return [helper.make_node("Gemm", [x, weight], [out], name=name, transB=1)]
+    transposed = f"{out}/weight_transposed"
+    return [helper.make_node("Transpose", [weight], [transposed], name=f"{name}/transpose", perm=[1, 0]),
+            helper.make_node("MatMul", [x, transposed], [out], name=name)]

@@ -2,6 +2,11 @@
 // exported Gemm(transB=1) reads; attribute trans_b = 1), or X · W for W [K, N] (MatMul's; trans_b = 0), with
 // W packed once when the session creates the kernel.
 //
+// With weights W_1 .. W_n (n <= 4; one layout, one K) as inputs 1 .. n it has n outputs, Y_i = X · W_iᵀ: one
+// node and one stream of panels for the linears that read the same X (q, k, v), matmul_group.h. Attribute
+// swiglu = 1 with two weights of one N (gate, up) gives the one output silu(X · W_1ᵀ) · (X · W_2ᵀ) instead.
+// A small model's decode step is dispatch-bound (~1-5 us a node on one core), so the node count is its time.
+//
 // Why not ONNX Runtime's own Gemm (MLAS): a decode or verify step multiplies a few rows (1 to ~16) by every
 // weight of the model, so a step is a stream over the weights. MLAS reads the weight panels in an order
 // tuned for many rows; at 8 rows it runs at ~1.9x its 1-row time at the 1.1B shape (2.42 against 1.27 ms
@@ -29,8 +34,9 @@
 // Without AVX-512 (or AVX2 + FMA) a portable loop gives the same results more slowly; the sums run over k
 // in order, one fused multiply-add per term where the CPU has FMA.
 //
-// The panel layout and the per-ISA register tiles are in matmul_tiles.h (included here alone, so the tiles
-// inline into run_panels); here: the split of the panels into tasks, the shared packed copies, the op.
+// The panel layout and the per-ISA register tiles are in matmul_tiles.h, the run of a node's panels in
+// matmul_group.h (both included here alone, so the tiles inline into its loops); here: the shared packed
+// copies and the op.
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -49,60 +55,10 @@
 
 #include "kernel.h"
 #include "matmul_tiles.h"
+#include "matmul_group.h"
 
 namespace unispec_cpu {
 namespace {
-
-struct Job {
-  const Packed* w;
-  const float* x;
-  float* y;
-  int64_t rows, panels_per_task;
-};
-
-// Panels [task · per, (task + 1) · per) for every row, of weights packed as W.
-template <typename W>
-void run_panels(const Job& job, size_t task) {
-  const Packed& w = *job.w;
-  const int64_t first_panel = static_cast<int64_t>(task) * job.panels_per_task;
-  const int64_t last_panel = std::min(w.panels, first_panel + job.panels_per_task);
-  const int64_t kc = job.rows > kManyRows ? kKc : w.k, wide = panels_at_once(job.rows);
-  for (int64_t p = first_panel; p < last_panel;) {
-    const W* panel = w.panel<W>(p);
-#if defined(__AVX512F__)
-    if (wide > 1 && p + wide <= last_panel && (p + wide) * kPanel <= w.n) {
-      float* y = job.y + p * kPanel;
-      switch (job.rows) {
-        case 1: tile_wide<1, 8>(job.x, w.k, panel, y, w.n); break;
-        case 2: tile_wide<2, 4>(job.x, w.k, panel, y, w.n); break;
-        case 3: tile_wide<3, 2>(job.x, w.k, panel, y, w.n); break;
-        default: tile_wide<4, 2>(job.x, w.k, panel, y, w.n); break;
-      }
-      p += wide;
-      continue;
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if (wide > 1 && p + wide <= last_panel && (p + wide) * kPanel <= w.n) {
-      tile_wide<3>(job.x, w.k, panel, job.y + p * kPanel);
-      p += wide;
-      continue;
-    }
-#endif
-    const int64_t cols = std::min(kPanel, w.n - p * kPanel);
-    for (int64_t k0 = 0; k0 < w.k; k0 += kc)
-      rows_by_block(job.x + k0, job.rows, w.k, panel + k0 * kPanel, std::min(kc, w.k - k0), job.y + p * kPanel, w.n,
-                    cols, k0 == 0, kc < w.k ? kc * kPanel : 0);
-    ++p;
-  }
-}
-
-void run_task(void* data, size_t task) {
-  const Job& job = *static_cast<const Job*>(data);
-  if (job.w->half)
-    run_panels<uint16_t>(job, task);
-  else
-    run_panels<float>(job, task);
-}
 
 // The packed weights of this process, by the weight they were packed from: nodes that share a weight (a
 // drafter's layers run once per draft step) share one packed copy, and so do sessions over the same
@@ -203,8 +159,11 @@ std::shared_ptr<const Packed> shared_pack(const float* w, int64_t n, int64_t k, 
   return packed;
 }
 
+constexpr size_t kMaxWeights = 4;
+
 struct Kernel {
-  std::shared_ptr<const Packed> w;
+  std::vector<std::shared_ptr<const Packed>> w;     // inputs 1 .. n, one K
+  bool swiglu = false;
 };
 
 // The kernel never reads the original weight again (ORT hands it in at every run, unread), so once it is
@@ -225,63 +184,131 @@ void release_pages(const void* data, size_t bytes) {
 #endif
 }
 
-OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-  int64_t trans_b = 1;
-  RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(
-      g_api, KernelInfoGetAttribute_int64)(info, "trans_b", &trans_b));
+// Packs input `index`'s weight into *packed; *present false when the node has no input there (or not a
+// constant one: compute tells those apart).
+OrtStatus* pack_input(const OrtKernelInfo* info, size_t index, int64_t trans_b, std::shared_ptr<const Packed>* packed,
+                      bool* present) {
   int is_constant = 0;
   const OrtValue* value = nullptr;
   RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(
-      g_api, KernelInfoGetConstantInput_tensor)(info, 1, &is_constant, &value));
-  if (!is_constant || value == nullptr)
-    return fail("PackedLinear: the weight (input 1) must be a constant initializer; use Gemm for a computed one");
+      g_api, KernelInfoGetConstantInput_tensor)(info, index, &is_constant, &value));
+  *present = is_constant && value != nullptr;
+  if (!*present) return nullptr;
   Tensor weight;
   RETURN_IF_ERROR(read_tensor(value, &weight));
   if (weight.dims.size() != 2 || weight.dims[0] <= 0 || weight.dims[1] <= 0)
-    return fail("PackedLinear: the weight must be a matrix with no empty axis");
+    return fail("PackedLinear: each weight must be a matrix with no empty axis");
   const int64_t n = trans_b ? weight.dims[0] : weight.dims[1], k = trans_b ? weight.dims[1] : weight.dims[0];
   OrtStatus* status = nullptr;
-  auto packed = shared_pack(static_cast<const float*>(weight.data), n, k, trans_b != 0, &status);
-  if (!packed) return status;
+  *packed = shared_pack(static_cast<const float*>(weight.data), n, k, trans_b != 0, &status);
+  if (!*packed) return status;
   release_pages(weight.data, sizeof(float) * n * k);
-  *kernel = new Kernel{std::move(packed)};
   return nullptr;
 }
 
-OrtStatus* compute(void* kernel, OrtKernelContext* context) {
-  const Packed& w = *static_cast<const Kernel*>(kernel)->w;
+OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+  int64_t trans_b = 1, swiglu = 0;
+  RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(
+      g_api, KernelInfoGetAttribute_int64)(info, "trans_b", &trans_b));
+  if (call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(g_api, KernelInfoGetAttribute_int64)(
+          info, "swiglu", &swiglu) != nullptr)
+    swiglu = 0;                                  // absent: plain outputs (the status is ORT's to free; rare)
+  auto made = std::make_unique<Kernel>();
+  made->swiglu = swiglu != 0;
+  for (size_t index = 1; index <= kMaxWeights; ++index) {
+    std::shared_ptr<const Packed> packed;
+    bool present = false;
+    RETURN_IF_ERROR(pack_input(info, index, trans_b, &packed, &present));
+    if (!present) break;
+    if (!made->w.empty() && packed->k != made->w[0]->k)
+      return fail("PackedLinear: weight " + std::to_string(index) + "'s K is " + std::to_string(packed->k) +
+                  ", weight 1's is " + std::to_string(made->w[0]->k) + "; group only weights of one K");
+    made->w.push_back(std::move(packed));
+  }
+  if (made->w.empty())
+    return fail("PackedLinear: the weight (input 1) must be a constant initializer; use Gemm for a computed one");
+  if (made->swiglu && (made->w.size() != 2 || made->w[0]->n != made->w[1]->n))
+    return fail("PackedLinear: swiglu = 1 takes two weights of one N (gate, up)");
+  *kernel = made.release();
+  return nullptr;
+}
+
+// Output `index` allocated with `dims`, or an error naming it when the node does not have it.
+OrtStatus* output(OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims, float** data) {
+  OrtValue* out = nullptr;
+  RETURN_IF_ERROR(call<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
+      g_api, KernelContext_GetOutput)(context, index, dims.data(), dims.size(), &out));
+  if (out == nullptr)
+    return fail("PackedLinear: give the node one output per weight (output " + std::to_string(index) + " missing)");
+  return call<OrtStatus* (*)(OrtValue*, void**)>(g_api, GetTensorMutableData)(out, reinterpret_cast<void**>(data));
+}
+
+// Where each weight's columns go: the node's outputs, or for swiglu the two halves of `scratch`.
+OrtStatus* outputs(const Kernel& kernel, OrtKernelContext* context, std::vector<int64_t> dims, int64_t rows,
+                   std::vector<float>* scratch, float** ys) {
+  for (size_t i = 0; i < kernel.w.size(); ++i) {
+    dims.back() = kernel.w[i]->n;
+    if (kernel.swiglu) {
+      ys[i] = scratch->data() + i * rows * kernel.w[0]->n;
+      if (i == 0) RETURN_IF_ERROR(output(context, 0, dims, &ys[2]));
+    } else {
+      RETURN_IF_ERROR(output(context, i, dims, &ys[i]));
+    }
+  }
+  return nullptr;
+}
+
+OrtStatus* compute(void* kernel_data, OrtKernelContext* context) {
+  const Kernel& kernel = *static_cast<const Kernel*>(kernel_data);
+  const int64_t k = kernel.w[0]->k;
   Tensor x;
   RETURN_IF_ERROR(read_input(context, 0, &x));
-  if (x.dims.empty() || x.dims.back() != w.k)
+  if (x.dims.empty() || x.dims.back() != k)
     return fail("PackedLinear: input 0's last axis is " + std::to_string(x.dims.empty() ? 0 : x.dims.back()) +
-                ", the weight's K is " + std::to_string(w.k));
-  std::vector<int64_t> out_dims = x.dims;
-  out_dims.back() = w.n;
-  void* out = nullptr;
-  RETURN_IF_ERROR(make_output(context, 0, out_dims, &out));
-  const int64_t rows = x.numel() / w.k;
-  if (rows == 0) return nullptr;
-  // tasks of at least ~256K multiply-adds each, so a thread pool's dispatch stays small beside the work
-  const int64_t per_panel = rows * w.k * kPanel;
-  const int64_t wide = panels_at_once(rows);    // whole groups of panels per task
-  const int64_t per_task = (std::max<int64_t>(1, (int64_t(1) << 18) / per_panel) + wide - 1) / wide * wide;
-  Job job{&w, static_cast<const float*>(x.data), static_cast<float*>(out), rows, per_task};
-  const int64_t tasks = (w.panels + per_task - 1) / per_task;
-  if (tasks == 1) {
-    run_task(&job, 0);
-    return nullptr;
+                ", the weight's K is " + std::to_string(k));
+  if (kernel.w.size() < kMaxWeights) {         // a weight past the packed ones was not a constant
+    const OrtValue* extra = nullptr;
+    RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(
+        g_api, KernelContext_GetInput)(context, kernel.w.size() + 1, &extra));
+    if (extra != nullptr) return fail("PackedLinear: every weight (inputs 1..4) must be a constant initializer");
   }
-  return call<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-      g_api, KernelContext_ParallelFor)(context, run_task, static_cast<size_t>(tasks), 0, &job);
+  const int64_t rows = x.numel() / k;
+  thread_local std::vector<float> scratch;     // swiglu's gate and up, [2][rows, N]
+  thread_local std::vector<Slot> slots;
+  if (kernel.swiglu) scratch.resize(2 * rows * kernel.w[0]->n);
+  float* ys[kMaxWeights] = {};
+  RETURN_IF_ERROR(outputs(kernel, context, x.dims, rows, &scratch, ys));
+  if (rows == 0) return nullptr;
+  slots.clear();
+  for (size_t i = 0; i < kernel.w.size(); ++i) {
+    const Packed& w = *kernel.w[i];
+    for (int64_t p = 0; p < w.panels; ++p)
+      slots.push_back({w.half ? static_cast<const void*>(w.panel<uint16_t>(p)) : w.panel<float>(p), ys[i] + p * kPanel,
+                       w.n, std::min(kPanel, w.n - p * kPanel), w.half});
+  }
+  // tasks of at least ~256K multiply-adds each, so a thread pool's dispatch stays small beside the work
+  const int64_t wide = panels_at_once(rows);    // whole groups of panels per task
+  const int64_t per_task = (std::max<int64_t>(1, (int64_t(1) << 18) / (rows * k * kPanel)) + wide - 1) / wide * wide;
+  const int64_t num_slots = static_cast<int64_t>(slots.size()), tasks = (num_slots + per_task - 1) / per_task;
+  Job job{slots.data(), static_cast<const float*>(x.data), num_slots, rows, k, per_task};
+  if (tasks == 1)
+    run_task(&job, 0);
+  else
+    RETURN_IF_ERROR((call<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
+        g_api, KernelContext_ParallelFor)(context, run_task, static_cast<size_t>(tasks), 0, &job)));
+  if (kernel.swiglu) swiglu(ys[0], ys[1], ys[2], rows * kernel.w[0]->n);
+  return nullptr;
 }
 
 OrtCustomOp make_op() {
   OrtCustomOp op = cpu_op();
   op.GetName = [](const OrtCustomOp*) { return "PackedLinear"; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) { return size_t(2); };
+  op.GetInputTypeCount = [](const OrtCustomOp*) { return size_t(1 + kMaxWeights); };
   op.GetInputType = [](const OrtCustomOp*, size_t) { return int(kFloat); };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) { return size_t(1); };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t index) { return index <= 1 ? 0 : 1; };  // 1: optional
+  op.GetOutputTypeCount = [](const OrtCustomOp*) { return kMaxWeights; };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return int(kFloat); };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t index) { return index == 0 ? 0 : 1; };
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute;
   op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };

@@ -201,10 +201,10 @@ void rows_by_block(const float* x, int64_t rows, int64_t ldx, const W* panel, in
 // A few rows against NP panels at once, all NP of them full, over all of k (few rows are never k-blocked):
 // with 1 to 4 rows a one-panel tile has 2 to 8 accumulators, too few to hide the FMA latency, so it runs at
 // a fraction of the core's rate on a weight that sits in cache (the bundled models' ~0.1 MB projections);
-// NP panels give it 12 to 16.
+// NP panels give it 12 to 16. The NP panels may be of different weights of one PackedLinear (q, k, v): panel
+// p is panels[p], its columns go to ys[p] (rows ldy[p] apart), so a group's small weights fill a wide tile.
 template <int MR, int NP, typename W>
-void tile_wide(const float* x, int64_t k_len, const W* panel, float* y, int64_t ldy) {
-  const int64_t stride = k_len * kPanel;       // one panel to the next
+void tile_wide(const float* x, int64_t k_len, const W* const* panels, float* const* ys, const int64_t* ldy) {
   __m512 acc[MR][NP][2];
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
@@ -212,7 +212,7 @@ void tile_wide(const float* x, int64_t k_len, const W* panel, float* y, int64_t 
   for (int64_t k = 0; k < k_len; ++k) {
     __m512 b[NP][2];
     for (int p = 0; p < NP; ++p) {
-      const W* row = panel + p * stride + k * kPanel;
+      const W* row = panels[p] + k * kPanel;
       _mm_prefetch(reinterpret_cast<const char*>(row + 16 * kPanel), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(row + 16 * kPanel + 16), _MM_HINT_T0);
       b[p][0] = load16(row);
@@ -228,28 +228,28 @@ void tile_wide(const float* x, int64_t k_len, const W* panel, float* y, int64_t 
   }
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p)
-      for (int h = 0; h < 2; ++h) _mm512_storeu_ps(y + i * ldy + p * kPanel + 16 * h, acc[i][p][h]);
+      for (int h = 0; h < 2; ++h) _mm512_storeu_ps(ys[p] + i * ldy[p] + 16 * h, acc[i][p][h]);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // One row against NP panels at once (AVX2): a one-panel tile of one row has 4 accumulators, a dependency chain
 // per FMA pipe that the FMA latency stalls (a decode step's projections ran at about half the core's rate);
-// 3 panels give 12, within AVX2's 16 registers beside the broadcast row value.
+// 3 panels give 12, within AVX2's 16 registers beside the broadcast row value. Panels and outputs as in
+// AVX-512's tile_wide.
 template <int NP, typename W>
-void tile_wide(const float* x, int64_t k_len, const W* panel, float* y) {
-  const int64_t stride = k_len * kPanel;
+void tile_wide(const float* x, int64_t k_len, const W* const* panels, float* const* ys) {
   __m256 acc[NP][4];
   for (int p = 0; p < NP; ++p)
     for (int v = 0; v < 4; ++v) acc[p][v] = _mm256_setzero_ps();
   for (int64_t k = 0; k < k_len; ++k) {
     const __m256 a = _mm256_set1_ps(x[k]);
     for (int p = 0; p < NP; ++p) {
-      const W* row = panel + p * stride + k * kPanel;
+      const W* row = panels[p] + k * kPanel;
       _mm_prefetch(reinterpret_cast<const char*>(row + 16 * kPanel), _MM_HINT_T0);
       for (int v = 0; v < 4; ++v) acc[p][v] = _mm256_fmadd_ps(a, load8(row + 8 * v), acc[p][v]);
     }
   }
   for (int p = 0; p < NP; ++p)
-    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + p * kPanel + 8 * v, acc[p][v]);
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(ys[p] + 8 * v, acc[p][v]);
 }
 #endif
 

@@ -20,7 +20,8 @@
 // key p of row b is then rows[layer, n] where index[n] says so, else the pool's row. Rows [1, N, W] are this
 // layer's alone (a past that is one layer's slice of the pool, as Gemma 4's assistant reads).
 //
-// Here: the op (attributes, input checks, the in-graph rows, registration). The attention loops are in
+// Here: the op (attributes, input checks, the in-graph rows, registration) and attend_pool, the attention that
+// paged_attention_rope.cc's fused op calls too (paged_attention_pool.h). The attention loops are in
 // paged_attention_attend.h, the register blocks they are built of in paged_attention_blocks.h; both are
 // included here alone, so the whole kernel is one translation unit and the blocks inline into the loops.
 
@@ -42,20 +43,6 @@ namespace unispec_cpu {
 namespace {
 
 constexpr size_t kNumInputs = 8;       // PagedAttentionPool; PagedAttentionPoolRows adds two
-
-OrtStatus* read_attributes(const OrtKernelInfo* info, Attributes* a) {
-  auto get_int = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(g_api,
-                                                                                 KernelInfoGetAttribute_int64);
-  auto get_float = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(g_api,
-                                                                                 KernelInfoGetAttribute_float);
-  RETURN_IF_ERROR(get_int(info, "layer", &a->layer));
-  RETURN_IF_ERROR(get_int(info, "k_column", &a->k_column));
-  RETURN_IF_ERROR(get_int(info, "v_column", &a->v_column));
-  RETURN_IF_ERROR(get_int(info, "causal", &a->causal));
-  RETURN_IF_ERROR(get_int(info, "sliding_window", &a->sliding_window));
-  RETURN_IF_ERROR(get_float(info, "scale", &a->scale));
-  return get_float(info, "softcap", &a->softcap);
-}
 
 // Checks the inputs against each other; a bad feed becomes an error status, never a wild read.
 OrtStatus* check(const Tensor* t, const Step& st, int64_t tokens, int64_t batch) {
@@ -92,11 +79,7 @@ struct Overrides {
   int64_t count = 0;
 };
 
-OrtStatus* read_overrides(OrtKernelContext* context, const Step& st, int64_t batch, Overrides* o) {
-  Tensor t[2];
-  for (size_t i = 0; i < 2; ++i) {
-    RETURN_IF_ERROR(read_input(context, kNumInputs + i, &t[i]));
-  }
+OrtStatus* read_overrides(const Tensor* t, const Step& st, int64_t batch, Overrides* o) {
   if (t[0].dims.size() != 3 || t[1].dims.size() != 1 || (t[0].dims[0] != st.layers && t[0].dims[0] != 1) ||
       t[0].dims[2] != st.width || t[0].dims[1] != t[1].dims[0])
     return fail("PagedAttentionPoolRows: rows must be [layers or 1, N, pool row width] and index [N]");
@@ -112,58 +95,21 @@ OrtStatus* read_overrides(OrtKernelContext* context, const Step& st, int64_t bat
 }
 
 OrtStatus* compute(void* kernel, OrtKernelContext* context, bool with_rows) {
-  Step st;
-  st.attr = *static_cast<const Attributes*>(kernel);
-  Tensor t[kNumInputs];
-  for (size_t i = 0; i < kNumInputs; ++i) {
+  Tensor t[kNumInputs + 2];
+  for (size_t i = 0; i < kNumInputs + (with_rows ? 2 : 0); ++i) {
     RETURN_IF_ERROR(read_input(context, i, &t[i]));
   }
-  static const size_t ranks[kNumInputs] = {3, 3, 3, kPoolRank, 2, 1, 1, 1};
-  for (size_t i = 0; i < kNumInputs; ++i)
-    if (t[i].dims.size() != ranks[i])
-      return fail("PagedAttentionPool: input " + std::to_string(i) + " has rank " +
-                  std::to_string(t[i].dims.size()) + ", expected " + std::to_string(ranks[i]));
-  const int64_t tokens = t[0].dims[0], batch = t[7].dims[0];
-  st.q_heads = t[0].dims[1];
-  st.head_dim = t[0].dims[2];
-  st.kv_heads = t[1].dims[1];
-  st.v_dim = t[2].dims[2];
-  set_pool_geometry(t[3].dims, &st);
-  st.max_blocks = t[4].dims[1];
-  st.q = static_cast<const float*>(t[0].data);
-  st.k = static_cast<const float*>(t[1].data);
-  st.v = static_cast<const float*>(t[2].data);
-  st.pool = static_cast<const float*>(t[3].data);
-  st.table = static_cast<const int64_t*>(t[4].data);
-  st.offsets = static_cast<const int64_t*>(t[5].data);
-  st.positions = static_cast<const int64_t*>(t[6].data);
-  st.lengths = static_cast<const int64_t*>(t[7].data);
-  RETURN_IF_ERROR(check(t, st, tokens, batch));
-  Overrides overrides;
-  if (with_rows) RETURN_IF_ERROR(read_overrides(context, st, batch, &overrides));
-
+  if (t[0].dims.size() != 3 || t[2].dims.size() != 3)
+    return fail("PagedAttentionPool: q must be [S, Hq, D] and v [S, Hkv, Dv]");
   void* data = nullptr;
-  RETURN_IF_ERROR(make_output(context, 0, {tokens, st.q_heads, st.v_dim}, &data));
-  st.out = static_cast<float*>(data);
-  const int64_t slots_per_row = st.max_blocks * st.block_size;
-  std::vector<const float*> rows;
-  for (int64_t b = 0; b < batch; ++b) {
-    rows.resize(st.lengths[b]);
-    for (int64_t p = 0; p < st.lengths[b]; ++p) rows[p] = st.pool_row(b, p);
-    for (int64_t n = 0; n < overrides.count; ++n) {    // in-graph rows over their slots (the last one wins)
-      const int64_t row_of = overrides.index[n] / slots_per_row, p = overrides.index[n] % slots_per_row;
-      if (row_of == b && p < st.lengths[b])
-        rows[p] = overrides.rows + n * st.width;
-    }
-    const int64_t per_head = (st.offsets[b + 1] - st.offsets[b]) * (st.q_heads / st.kv_heads);
-    (per_head >= 4 ? attend_tiled : attend_rows)(st, b, rows);
-  }
-  return nullptr;
+  RETURN_IF_ERROR(make_output(context, 0, {t[0].dims[0], t[0].dims[1], t[2].dims[2]}, &data));
+  return attend_pool(*static_cast<const Attributes*>(kernel), t, with_rows ? t + kNumInputs : nullptr,
+                     static_cast<float*>(data));
 }
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
   auto* attributes = new Attributes;
-  if (OrtStatus* status = read_attributes(info, attributes)) {
+  if (OrtStatus* status = read_attention_attributes(info, attributes)) {
     delete attributes;
     return status;
   }
@@ -194,6 +140,63 @@ OrtCustomOp g_paged_attention = make_op(false);
 OrtCustomOp g_paged_attention_rows = make_op(true);
 
 }  // namespace
+
+OrtStatus* read_attention_attributes(const OrtKernelInfo* info, Attributes* a) {
+  auto get_int = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(g_api,
+                                                                                 KernelInfoGetAttribute_int64);
+  auto get_float = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(g_api,
+                                                                                 KernelInfoGetAttribute_float);
+  RETURN_IF_ERROR(get_int(info, "layer", &a->layer));
+  RETURN_IF_ERROR(get_int(info, "k_column", &a->k_column));
+  RETURN_IF_ERROR(get_int(info, "v_column", &a->v_column));
+  RETURN_IF_ERROR(get_int(info, "causal", &a->causal));
+  RETURN_IF_ERROR(get_int(info, "sliding_window", &a->sliding_window));
+  RETURN_IF_ERROR(get_float(info, "scale", &a->scale));
+  return get_float(info, "softcap", &a->softcap);
+}
+
+OrtStatus* attend_pool(const Attributes& attr, const Tensor* t, const Tensor* with_rows, float* out) {
+  Step st;
+  st.attr = attr;
+  static const size_t ranks[kNumInputs] = {3, 3, 3, kPoolRank, 2, 1, 1, 1};
+  for (size_t i = 0; i < kNumInputs; ++i)
+    if (t[i].dims.size() != ranks[i])
+      return fail("PagedAttentionPool: input " + std::to_string(i) + " has rank " +
+                  std::to_string(t[i].dims.size()) + ", expected " + std::to_string(ranks[i]));
+  const int64_t tokens = t[0].dims[0], batch = t[7].dims[0];
+  st.q_heads = t[0].dims[1];
+  st.head_dim = t[0].dims[2];
+  st.kv_heads = t[1].dims[1];
+  st.v_dim = t[2].dims[2];
+  set_pool_geometry(t[3].dims, &st);
+  st.max_blocks = t[4].dims[1];
+  st.q = static_cast<const float*>(t[0].data);
+  st.k = static_cast<const float*>(t[1].data);
+  st.v = static_cast<const float*>(t[2].data);
+  st.pool = static_cast<const float*>(t[3].data);
+  st.table = static_cast<const int64_t*>(t[4].data);
+  st.offsets = static_cast<const int64_t*>(t[5].data);
+  st.positions = static_cast<const int64_t*>(t[6].data);
+  st.lengths = static_cast<const int64_t*>(t[7].data);
+  RETURN_IF_ERROR(check(t, st, tokens, batch));
+  Overrides overrides;
+  if (with_rows != nullptr) RETURN_IF_ERROR(read_overrides(with_rows, st, batch, &overrides));
+  st.out = out;
+  const int64_t slots_per_row = st.max_blocks * st.block_size;
+  std::vector<const float*> rows;
+  for (int64_t b = 0; b < batch; ++b) {
+    rows.resize(st.lengths[b]);
+    for (int64_t p = 0; p < st.lengths[b]; ++p) rows[p] = st.pool_row(b, p);
+    for (int64_t n = 0; n < overrides.count; ++n) {    // in-graph rows over their slots (the last one wins)
+      const int64_t row_of = overrides.index[n] / slots_per_row, p = overrides.index[n] % slots_per_row;
+      if (row_of == b && p < st.lengths[b])
+        rows[p] = overrides.rows + n * st.width;
+    }
+    const int64_t per_head = (st.offsets[b + 1] - st.offsets[b]) * (st.q_heads / st.kv_heads);
+    (per_head >= 4 ? attend_tiled : attend_rows)(st, b, rows);
+  }
+  return nullptr;
+}
 
 const OrtCustomOp* paged_attention_op(bool with_rows) {
   return with_rows ? &g_paged_attention_rows : &g_paged_attention;

@@ -10,16 +10,11 @@
 #include <vector>
 
 #include "paged_attention_blocks.h"
+#include "paged_attention_pool.h"   // Attributes
 #include "unispec_constants.h"   // generated at build time: the pool's axis order (plugins/pool_axes.py)
 
 namespace unispec_cpu {
 namespace {
-
-// The op's attributes (read once per kernel by paged_attention.cc).
-struct Attributes {
-  int64_t layer = 0, k_column = 0, v_column = 0, causal = 1, sliding_window = 0;
-  float scale = 1.0f, softcap = 0.0f;
-};
 
 // One step's geometry and pointers, shared by every row's attention.
 struct Step {

@@ -142,17 +142,19 @@ def test_the_ort_graph_reads_the_pools_in_place_and_computes_the_same(artifacts:
     the exported attention; outputs equal torch's."""
     import onnxruntime as ort
 
+    from engines.ort.attention_fusion import FUSED_OP
     from engines.ort.lowering import NATIVE_DOMAIN, NATIVE_OP
     from export.onnx_export import example_feeds
     from plugins import ort_cpu
 
     step = step_of("eagle3", checkpoints)
     graph = onnx.load(str(artifacts["eagle3"] / io.ORT_MODEL_NAME), load_external_data=False).graph
-    native = [n for n in graph.node if (n.domain, n.op_type) == (NATIVE_DOMAIN, NATIVE_OP)]
+    native = [n for n in graph.node if n.domain == NATIVE_DOMAIN and n.op_type in (NATIVE_OP, FUSED_OP)]
     assert len(native) == step.target.config.num_hidden_layers + 1
-    assert sorted(n.input[3] for n in native) == [io.DRAFT_KV_POOL] + [io.KV_POOL] * (len(native) - 1)
+    pools = sorted(n.input[3 if n.op_type == NATIVE_OP else 5] for n in native)   # the fused op reads cos, sin first
+    assert pools == [io.DRAFT_KV_POOL] + [io.KV_POOL] * (len(native) - 1)
     readers = {n.op_type for n in graph.node if io.KV_POOL in n.input}   # nothing else touches the target pool:
-    assert readers == {NATIVE_OP}                                        # no copy of its history is made
+    assert readers <= {NATIVE_OP, FUSED_OP}                              # no copy of its history is made
     feeds = example_feeds(step, lengths=(1, 5, 2, 3), cache_lengths=(7, 2, 0, 12), block_size=16, vocab=320, seed=3)
     want = step.run(feeds)
     options = ort.SessionOptions()

@@ -111,5 +111,5 @@ def test_an_artifact_decodes_the_same_tokens_with_linears_reverted(tiny_artifact
         monkeypatch.setattr(choice, "revert_linears", lambda *a, counts=counts: counts.append(revert(*a)) or counts[-1])
         tokens[name] = [o.token_ids for o in LLM(artifact, num_blocks=64).generate(prompts, greedy)]
         reverted[name] = sum(counts)
-    assert reverted["native"] == 0 and reverted["reverted"] >= 40          # the step graph's 42 linears, at least
+    assert reverted["native"] == 0 and reverted["reverted"] >= 30     # the graphs' PackedLinear nodes (groups count once)
     assert tokens["reverted"] == tokens["native"] and all(len(t) == 12 for t in tokens["native"])
