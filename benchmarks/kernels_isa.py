@@ -5,12 +5,14 @@ ONNX Runtime op(s) it replaces, at the bundled models' shape and at realistic on
         [--kernels linear,attention,verdict,draft] [--rows 1,8] [--repeats 15] [--also avx512] [--json OUT]
 
 The table behind plugins/ort_cpu/choice.py (which kernels each variant runs) came from
-    UNISPEC_ORT_CPU_ISA=avx2 ... --also avx512 --shapes bundled --rows 1,2,3,4,5,6,7,8
-    UNISPEC_ORT_CPU_ISA=avx2 ... --also avx512 --shapes l3-1b,h1024 --rows 1,4
+    UNISPEC_ORT_CPU_ISA=avx2 ... --kernels linear --also avx512 --shapes bundled --rows 1,2,3,4,5,6,7,8 --repeats 21
+    UNISPEC_ORT_CPU_ISA=avx2 ... --kernels linear --also avx512 --shapes h1024,l3-1b --rows 1,2,4,6,8 --inner 3
+and a second run of each (bundled,h1024 at rows 1,2,3,4,8; h1024,l3-1b at 1 row, --repeats 31).
 
 Kernel               | ONNX Runtime's op(s) it replaces (what model.onnx runs)
-PackedLinear         | Gemm(transB=1) (MLAS, its weight prepacked): a chain of one decoder layer's linears
-                     | (q, o, gate, down, up, down: k/v left out so they chain), 1 row (decode) and 8 (a verify)
+PackedLinear         | Gemm(transB=1) (MLAS, its weight prepacked) per weight: decoder layers' linears grouped as
+                     | model.ort.onnx has them (q|k|v one node, gate|up one swiglu node, o, down), against the
+                     | Gemm / Sigmoid / Mul nodes choice.revert_linears puts back; 1 row (decode) to 8 (a verify)
 PagedAttentionPool   | gather_pool's Gather + Reshape/Transpose of the row's blocks, then the reference
                      | attention (plugins/paged_attention/reference.py exported by torch), as model.onnx does;
                      | a pool of one layer (the native kernel reads in place; the Gather copies one layer)
@@ -81,29 +83,52 @@ def _opsets() -> list[Any]:
 
 
 def linear_case(name: str, g: Geometry, rows: int) -> Case:
+    """`g.layers` decoder layers of linears as model.ort.onnx groups them (engines/ort/linear.py group):
+    PackedLinear(x; Wq, Wk, Wv) -> q, k, v (k, v graph outputs: the cache writes), o(q),
+    PackedLinear(.; Wg, Wu, swiglu=1), down; against the same graph put back on ONNX Runtime's ops by
+    plugins/ort_cpu/choice.py revert_linears (a Gemm per weight, + Sigmoid, Mul, Mul), as a variant's table does."""
+    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     from plugins import ort_cpu
+    from plugins.ort_cpu import choice
 
-    h, i = g.hidden, g.intermediate
-    chain = [(h, h), (h, h), (i, h), (h, i), (i, h), (h, i)] * g.layers       # (N, K), each K the previous N
+    h, i, kv = g.hidden, g.intermediate, g.kv_heads * (g.hidden // g.heads)
     rng = np.random.default_rng(0)
-    weights = [numpy_helper.from_array((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32), f"w{j}")
-               for j, (n, k) in enumerate(chain)]
+    weights: list[Any] = []
+    nodes, outputs, shapes, previous = [], [], {}, "x"
 
-    def model(native: bool) -> bytes:
-        nodes, previous = [], "x"
-        for j in range(len(chain)):
-            out = f"y{j}"
-            nodes.append(helper.make_node("PackedLinear", [previous, f"w{j}"], [out], domain=ort_cpu.DOMAIN, trans_b=1)
-                         if native else helper.make_node("Gemm", [previous, f"w{j}"], [out], transB=1))
-            previous = out
-        graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, h])],
-                                  [helper.make_tensor_value_info(previous, TensorProto.FLOAT, [rows, h])], weights)
-        return helper.make_model(graph, opset_imports=_opsets(), ir_version=10).SerializeToString()
+    def weight(label: str, n: int, k: int) -> str:
+        array = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+        weights.append(numpy_helper.from_array(array, f"{label}_weight"))
+        return weights[-1].name
 
+    def linear(inputs: list[str], outs: list[str], **attributes: int) -> None:
+        nodes.append(helper.make_node("PackedLinear", inputs, outs, domain=ort_cpu.DOMAIN, name=outs[-1], trans_b=1,
+                                      **attributes))
+
+    for layer in range(g.layers):
+        q, k, v, o, m, y = (f"l{layer}.{part}" for part in "qkvomy")
+        linear([previous, weight(q, h, h), weight(k, kv, h), weight(v, kv, h)], [q, k, v])
+        linear([q, weight(o, h, h)], [o])
+        linear([o, weight(f"{m}.gate", i, h), weight(f"{m}.up", i, h)], [m], swiglu=1)
+        linear([m, weight(y, h, i)], [y])
+        outputs += [k, v]
+        shapes.update({q: h, k: kv, v: kv, o: h, m: i, y: h})
+        previous = y
+    outputs.append(previous)
+    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, h])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [rows, shapes[n]]) for n in outputs],
+                              weights, value_info=[helper.make_tensor_value_info(n, TensorProto.FLOAT, [rows, d])
+                                                   for n, d in shapes.items() if n not in outputs])
+    native = helper.make_model(graph, opset_imports=_opsets(), ir_version=10)
+    ort = onnx.ModelProto()
+    ort.CopyFrom(native)
+    choice.revert_linears(ort, choice.Choice(), rows)           # Choice(): no PackedLinear, every node back
+    megabytes = sum(4 * np.prod(w.dims) for w in weights) / g.layers / 1e6
     feeds = {"x": rng.standard_normal((rows, h)).astype(np.float32)}
-    return Case("PackedLinear", f"{name} {len(chain)} linears, {rows} row(s)", feeds, model(True), model(False))
+    return Case("PackedLinear", f"{name} {g.layers}x(qkv, o, swiglu, down) {megabytes:.2g} MB/layer, {rows} row(s)",
+                feeds, native.SerializeToString(), ort.SerializeToString())
 
 
 def _pool_attention(scale: float) -> Any:

@@ -18,6 +18,12 @@ Both ways there run that kernel:
   (its MatMulAddFusion takes the MatMul first: a shared expert's down_proj + the routed experts). The codes
   are repacked (uint q + 2^(bits-1), [N, K] row-major), so these are new bytes, held in the ORT graph
   itself, once per weight however many MatMuls read it. `every=True` lowers all (benchmarks).
+
+`lower` first merges sibling linears (`group`): MIN_GROUP or more DQ + MatMul pairs that read one X with
+equal bits, block size and K (a layer's q, k and v) become one MatMulNBits over their weights concatenated
+along N, then one Split into the original outputs. Each output column is its own dot product over the same
+quantized X, so the values are bit for bit those of the separate nodes (tests/engines/ort/test_quant_groups.py);
+one dispatch and one quantization of X instead of three. Their codes are repacked into the ORT graph, as above.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)      # 0 unset (float32), 1 fp32, 2 fp16, 3 bf
 # 4 0.42x / 0.48x / 0.56x, at level 0 20x or worse (no float kernel: the weight is dequantized every call)
 DEFAULT_ACCURACY_LEVEL = 4
 SESSION_ACCURACY_KEY = "session.qdq_matmulnbits_accuracy_level"   # ORT's fusion takes its level from here
+# q|k|v: 3 nodes -> MatMulNBits + Split; gate|up would stay 2 nodes (2 -> 2), so only groups of 3 or more
+MIN_GROUP = 3
 
 
 def pack(codes: np.ndarray, scales: np.ndarray, *, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -52,14 +60,18 @@ def pack(codes: np.ndarray, scales: np.ndarray, *, bits: int, block_size: int) -
     return unsigned.reshape(n, k // block_size, block_size * bits // 8), np.ascontiguousarray(scales.T).reshape(-1)
 
 
-def lower(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL, *, every: bool = False) -> int:
+def lower(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL, *, every: bool = False,
+          grouped: bool = True) -> int:
     """Replace main-graph MatMuls of a float32 / float16 activation and a constant blocked DQ (axis 0, int4 or int8, no
-    zero point) by MatMulNBits, in place: those ONNX Runtime would not fuse itself, or `every` one. Returns
-    how many. The DQs and codes nothing reads any more go."""
+    zero point) by MatMulNBits, in place: (`grouped`) siblings of one X merged first (`group`), then those ONNX
+    Runtime would not fuse itself, or `every` one. Returns how many MatMulNBits the graph has. The DQs and codes
+    nothing reads any more go."""
     import onnx_ir as ir
 
     assert accuracy_level in ACCURACY_LEVELS, accuracy_level
     _bypass_scale_identities(model.graph)
+    if grouped:
+        group(model, accuracy_level)
     packed: dict[str, tuple[ir.Value, ir.Value, dict]] = {}
     read: set[str] = set()
     chosen = [(node, *found) for node in model.graph if (found := _dequantized_weight(node)) is not None
@@ -81,6 +93,59 @@ def lower(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL, *, ever
     if packed:
         model.opset_imports[DOMAIN] = 1
     return sum(1 for node in model.graph if node.op_type == "MatMulNBits" and node.domain == DOMAIN)
+
+
+def group(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> int:
+    """Merge, in place, every MIN_GROUP or more DQ + MatMul pairs of the main graph that read one X with equal
+    bits, block size and K, each DQ and its codes read by that MatMul alone, into MatMulNBits over the weights
+    concatenated along N + Split. Returns how many groups were merged."""
+    siblings: dict[tuple, list[tuple[ir.Node, ir.Node, dict]]] = {}
+    for node in model.graph:
+        found = _dequantized_weight(node)
+        if found is None or len(found[0].outputs[0].uses()) != 1 or len(found[0].inputs[0].uses()) != 1:
+            continue
+        dq, attrs = found
+        key = (id(node.inputs[0]), attrs["K"], attrs["bits"], attrs["block_size"])
+        siblings.setdefault(key, []).append((node, dq, attrs))
+    groups = [members for members in siblings.values() if len(members) >= MIN_GROUP]
+    for members in groups:
+        _merge(model, members, accuracy_level)
+    return len(groups)
+
+
+def _merge(model: ir.Model, members: list[tuple[ir.Node, ir.Node, dict]], accuracy_level: int) -> None:
+    """One MatMulNBits + Split in place of `members` (MatMul, its DQ, MatMulNBits' attributes), put where the
+    first MatMul was (X is ready there, and every reader of an output comes later)."""
+    import onnx_ir as ir
+
+    graph = model.graph
+    first = min((node for node, _, _ in members), key=list(graph).index)
+    packed = [_packed_arrays(dq, attrs) for _, dq, attrs in members]
+    widths = [attrs["N"] for _, _, attrs in members]
+    name = members[0][1].inputs[0].name
+    values = []
+    for suffix, array in (("_group_nbits", np.concatenate([w for w, _ in packed])),
+                          ("_group_nbits_scales", np.concatenate([s for _, s in packed])),
+                          ("_group_split", np.array(widths, dtype=np.int64))):
+        values.append(ir.Value(name=f"{name}{suffix}", const_value=ir.tensor(array)))
+        graph.register_initializer(values[-1])
+    nbits = ir.node("MatMulNBits", inputs=[first.inputs[0], values[0], values[1]], domain=DOMAIN, version=1,
+                    attributes={**members[0][2], "N": sum(widths), "accuracy_level": accuracy_level},
+                    name=f"{first.name}/grouped", num_outputs=1)
+    split = ir.node("Split", inputs=[nbits.outputs[0], values[2]], attributes={"axis": -1},
+                    name=f"{first.name}/split", num_outputs=len(members))
+    graph.insert_before(first, [nbits, split])
+    for new, (node, _, _) in zip(split.outputs, members):
+        new.shape, new.type = node.outputs[0].shape, node.outputs[0].type
+        ir.convenience.replace_all_uses_with(node.outputs[0], new, replace_graph_outputs=True)
+    read = [value for _, dq, _ in members for value in dq.inputs[:2]]       # removing a node detaches its inputs
+    graph.remove([node for node, _, _ in members] + [dq for _, dq, _ in members], safe=True)
+    for new, (node, _, _) in zip(split.outputs, members):
+        new.name = node.outputs[0].name
+    for value in read:
+        if not value.uses() and not value.is_graph_output():
+            graph.initializers.pop(value.name, None)
+    model.opset_imports[DOMAIN] = 1
 
 
 def _bypass_scale_identities(graph: ir.Graph) -> None:
@@ -127,12 +192,19 @@ def _dequantized_weight(node: ir.Node) -> tuple[ir.Node, dict[str, int]] | None:
     return dq, {"K": int(k), "N": int(n), "bits": bits, "block_size": block}
 
 
-def _packed_initializers(graph: ir.Graph, dq: ir.Node, attrs: dict) -> tuple[ir.Value, ir.Value, dict]:
+def _packed_arrays(dq: ir.Node, attrs: dict) -> tuple[np.ndarray, np.ndarray]:
+    """`dq`'s codes and scales as MatMulNBits' B [N, K/B, B·bits/8] and scales [N·K/B]."""
     import onnx_ir as ir
 
     codes = ir.convenience.get_const_tensor(dq.inputs[0]).numpy().astype(np.int8)
     scales = ir.convenience.get_const_tensor(dq.inputs[1]).numpy()
-    weight, flat = pack(codes, scales, bits=attrs["bits"], block_size=attrs["block_size"])
+    return pack(codes, scales, bits=attrs["bits"], block_size=attrs["block_size"])
+
+
+def _packed_initializers(graph: ir.Graph, dq: ir.Node, attrs: dict) -> tuple[ir.Value, ir.Value, dict]:
+    import onnx_ir as ir
+
+    weight, flat = _packed_arrays(dq, attrs)
     values = []
     for suffix, array in (("_nbits", weight), ("_nbits_scales", flat)):
         value = ir.Value(name=f"{dq.inputs[0].name}{suffix}", const_value=ir.tensor(array))

@@ -12,15 +12,19 @@ Measured with benchmarks/kernels_isa.py and benchmarks/packed_linear.py (one int
 medians of per-repeat ratios; table in docs/notes/cpu-kernels.md) on an AVX-512 machine, where ONNX Runtime's
 own MLAS runs AVX-512 even for the avx2 build: a stricter bar than an AVX2 CPU sets, so where the avx2
 kernel wins here it wins there too, and where it loses here ONNX Runtime's op is kept (conservative).
-PackedLinear's ratio against MLAS, weights of the bundled Llama 3 (<= 0.5 MB) / 4-64 MB (h1024, Llama 3.2 1B):
+PackedLinear's ratio against MLAS, decoder layers grouped as model.ort.onnx has them (q|k|v, o, gate|up
+swiglu, down; against the Gemm / Sigmoid / Mul nodes revert_linears puts back), a node's weights <= 0.4 MB
+(the bundled Llama 3) / 4-64 MB (h1024, Llama 3.2 1B), two runs each:
 
-    variant   1 row              4 rows             8 rows        -> PackedLinear where
-    avx512    1.08 / 1.12-1.15   0.97 / 0.74-0.78   0.84 / 0.70   2+ rows, any size
-    avx2      0.87 / 0.88-0.97   1.06 / 0.69-0.88   1.11 / 1.07   1-4 rows, weights >= 1 MiB
-    portable  (its plain loop is not tuned, not measured)           never
+    variant   1 row                   2-4 rows                 5-8 rows                 -> PackedLinear where
+    avx512    0.93-0.94 / 1.11-1.20   0.82-0.92 / 0.77-0.99    0.72-0.87 / 0.72-0.81    2+ rows any size, and
+                                                                                          1 row nodes <= 1 MiB
+    avx2      0.99-1.06 / 1.05-1.15   0.92-1.24 / 0.69-0.96    1.10-1.30 / 0.80-0.96    2+ rows, nodes >= 1 MiB
+    portable  (its plain loop is not tuned, not measured)                                  never
 
-(layer chains, kernels_isa.py; single weights, packed_linear.py: small ones 0.94-1.04 on AVX-512 at 2-8 rows,
-par, so kept on ONNX Runtime; the 4 MB kv projection 0.38-0.57 at every row count.)
+(Before the grouping, one weight a node: avx512 1.08 / 1.12-1.15 at 1 row, avx2 0.87 / 0.88-0.97, which put
+avx2's >= 1 MiB linears on PackedLinear at 1 row; grouped, on this machine, they lose there. Single weights,
+packed_linear.py: small ones 0.94-1.04 on AVX-512 at 2-8 rows; the 4 MB kv projection 0.38-0.57.)
 
 Rows per request of a graph's step: 1 for `none` and target-only graphs, K + 1 for a speculative step (its
 target verifies K drafts); decided for a batch of one.
@@ -42,30 +46,41 @@ MIB = 1 << 20
 
 @dataclass(frozen=True, kw_only=True)
 class Choice:
-    """Where one variant runs PackedLinear: steps of `min_rows`..`max_rows` rows per request, float32 weights
-    of at least `min_weight_bytes`; `max_rows` 0: never."""
+    """Where one variant runs PackedLinear, by a node's float32 weight bytes (a group's together): steps of
+    `min_rows`..`max_rows` rows per request over at least `min_weight_bytes`, and steps of one row over at
+    most `one_row_max_bytes` whatever the rows range says; `max_rows` 0 and `one_row_max_bytes` 0: never."""
 
     min_rows: int = 1
     max_rows: int = 0
     min_weight_bytes: int = 0
+    one_row_max_bytes: int = 0
 
     def packed_linear(self, rows: int, weight_bytes: int) -> bool:
+        if rows == 1 and weight_bytes <= self.one_row_max_bytes:
+            return True
         return self.min_rows <= rows <= self.max_rows and weight_bytes >= self.min_weight_bytes
 
     def describe(self) -> str:
-        if self.max_rows < self.min_rows:
+        parts = []
+        if self.min_rows <= self.max_rows:
+            rows = f"{self.min_rows}+" if self.max_rows >= _ANY_ROWS else f"{self.min_rows}-{self.max_rows}"
+            size = f", weights >= {self.min_weight_bytes / MIB:g} MiB" if self.min_weight_bytes else ""
+            parts.append(f"at {rows} rows per request{size}")
+        if self.one_row_max_bytes:
+            parts.append(f"at 1 row for weights <= {self.one_row_max_bytes / MIB:g} MiB a node")
+        if not parts:
             return "ONNX Runtime's Gemm/MatMul for every linear"
-        rows = f"{self.min_rows}+" if self.max_rows >= _ANY_ROWS else f"{self.min_rows}-{self.max_rows}"
-        size = f", weights >= {self.min_weight_bytes / MIB:g} MiB" if self.min_weight_bytes else ""
-        return f"PackedLinear at {rows} rows per request{size} (else ONNX Runtime's Gemm/MatMul)"
+        return f"PackedLinear {' and '.join(parts)} (else ONNX Runtime's Gemm/MatMul)"
 
 
 _ANY_ROWS = 1 << 30
 CHOICES: dict[str, Choice] = {
-    # any size at 2+ rows: the bundled Llama 3 layer chains ran 0.84-1.01x MLAS there, and with its (< 1 MiB)
-    # linears back on MLAS the bundled DFlash step went from 1.15 to 1.40 ms (`unispec bench`, 1 thread)
-    "avx512": Choice(min_rows=2, max_rows=_ANY_ROWS),
-    "avx2": Choice(min_rows=1, max_rows=4, min_weight_bytes=MIB),
+    # any size at 2+ rows: the bundled Llama 3 layers ran 0.78-0.92x MLAS there, and with its (< 1 MiB)
+    # linears back on MLAS the bundled DFlash step went from 1.15 to 1.40 ms (`unispec bench`, 1 thread);
+    # at 1 row the grouped nodes of <= 0.4 MB (q|k|v, o, gate|up, down) ran 0.93x, those of 4-64 MB 1.11-1.20x
+    "avx512": Choice(min_rows=2, max_rows=_ANY_ROWS, one_row_max_bytes=MIB),
+    # the small ones only par at 1-3 rows (0.92-1.06x) and behind at 4+ (1.15-1.30x); at 1 row the large lose
+    "avx2": Choice(min_rows=2, max_rows=_ANY_ROWS, min_weight_bytes=MIB),
     "portable": Choice(),
 }
 

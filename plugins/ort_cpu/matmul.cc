@@ -210,9 +210,11 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*
   int64_t trans_b = 1, swiglu = 0;
   RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(
       g_api, KernelInfoGetAttribute_int64)(info, "trans_b", &trans_b));
-  if (call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(g_api, KernelInfoGetAttribute_int64)(
-          info, "swiglu", &swiglu) != nullptr)
-    swiglu = 0;                                  // absent: plain outputs (the status is ORT's to free; rare)
+  if (OrtStatus* absent = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(
+          g_api, KernelInfoGetAttribute_int64)(info, "swiglu", &swiglu)) {
+    call<void (*)(OrtStatus*)>(g_api, ReleaseStatus)(absent);    // the error status is ours to free
+    swiglu = 0;                                                   // absent: plain outputs
+  }
   auto made = std::make_unique<Kernel>();
   made->swiglu = swiglu != 0;
   for (size_t index = 1; index <= kMaxWeights; ++index) {

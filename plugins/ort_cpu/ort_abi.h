@@ -73,6 +73,7 @@ struct OrtCustomOp {
   X(86, KernelInfoGetAttribute_int64, 1)        \
   X(90, KernelContext_GetInput, 1)              \
   X(91, KernelContext_GetOutput, 1)             \
+  X(93, ReleaseStatus, 1)                       \
   X(99, ReleaseTensorTypeAndShapeInfo, 1)       \
   X(249, KernelInfoGetConstantInput_tensor, 15) \
   X(274, KernelContext_ParallelFor, 17)

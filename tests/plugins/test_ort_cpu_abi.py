@@ -27,16 +27,17 @@ ROW = re.compile(r"^\s*X\((\d+), (\w+), (\d+)\)", re.MULTILINE)
 LAST_SLOT = {1: 101, 2: 118, 3: 124, 4: 126, 5: 149, 6: 157, 7: 161, 8: 169, 9: 191, 10: 203, 11: 209, 12: 218,
              13: 224, 14: 238, 15: 254, 16: 265, 17: 275, 18: 279, 20: 284, 22: 317, 23: 389, 24: 411}
 
-# What AbiProbe writes into its [3, 6] output, in order.
+# What AbiProbe writes into its [4, 5] output, in order.
 FIELDS = ("alpha", "k", "x_is_constant", "weight_is_constant", "weight_sum", "weight_dim", "x_rank", "x_dim0",
           "x_dim1", "x_dim2", "x_sum", "z_rank", "z_dim0", "z_sum", "grown_released", "grown_kept",
-          "parallel_calls", "parallel_index_sum")
+          "parallel_calls", "parallel_index_sum", "status_grown_released", "status_grown_kept")
 
 PROBE = r"""
 // AbiProbe (domain unispec.abi_probe): calls every slot of ort_abi.h through kernel.h, as the kernels do, and
 // writes what each call answered into its output, in the order of FIELDS.
 #include <malloc.h>
 #include <atomic>
+#include <string>
 #include "kernel.h"
 
 using namespace unispec_cpu;
@@ -85,6 +86,17 @@ OrtStatus* churn(const OrtValue* value, bool release, float* grown) {
   return nullptr;
 }
 
+// Bytes the main arena grew by over 64 error statuses of 4 KB messages from CreateStatus, each released or kept.
+float status_churn(bool release) {
+  const std::string message(4096, 'x');
+  const double before = static_cast<double>(mallinfo2().uordblks);
+  for (int i = 0; i < 64; ++i) {
+    OrtStatus* status = call<OrtStatus* (*)(int, const char*)>(g_api, CreateStatus)(kFail, message.c_str());
+    if (release) call<void (*)(OrtStatus*)>(g_api, ReleaseStatus)(status);
+  }
+  return static_cast<float>(static_cast<double>(mallinfo2().uordblks) - before);
+}
+
 void mark(void* data, size_t i) {
   auto* seen = static_cast<Seen*>(data);
   seen->calls += 1;
@@ -114,12 +126,14 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
       g_api, KernelContext_ParallelFor)(context, mark, 13, 0, &seen));
   void* data = nullptr;
-  RETURN_IF_ERROR(make_output(context, 0, {3, 6}, &data));
-  const float answers[18] = {p.alpha, float(p.k), float(p.x_is_constant), float(p.weight_is_constant), p.weight_sum,
+  const float status_released = status_churn(true), status_kept = status_churn(false);
+  RETURN_IF_ERROR(make_output(context, 0, {4, 5}, &data));
+  const float answers[20] = {p.alpha, float(p.k), float(p.x_is_constant), float(p.weight_is_constant), p.weight_sum,
                              float(p.weight_dim), float(x.dims.size()), dim(x, 0), dim(x, 1), dim(x, 2), sum(x),
                              float(z.dims.size()), dim(z, 0), sum(z),
-                             grown_released, grown_kept, float(seen.calls), float(seen.index_sum)};
-  for (int i = 0; i < 18; ++i) static_cast<float*>(data)[i] = answers[i];
+                             grown_released, grown_kept, float(seen.calls), float(seen.index_sum),
+                             status_released, status_kept};
+  for (int i = 0; i < 20; ++i) static_cast<float*>(data)[i] = answers[i];
   return nullptr;
 }
 
@@ -250,9 +264,9 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> dict:
 # Per slot, what AbiProbe's answers must be for the slot to hold the function its row names.
 CHECKS = {
     # the session finds AbiProbe in domain unispec.abi_probe only if all three did their part
-    "CreateCustomOpDomain": lambda a: a["shape"] == [3, 6],
-    "CustomOpDomain_Add": lambda a: a["shape"] == [3, 6],
-    "AddCustomOpDomain": lambda a: a["shape"] == [3, 6],
+    "CreateCustomOpDomain": lambda a: a["shape"] == [4, 5],
+    "CustomOpDomain_Add": lambda a: a["shape"] == [4, 5],
+    "AddCustomOpDomain": lambda a: a["shape"] == [4, 5],
     "GetTensorMutableData": lambda a: (a["x_sum"], a["z_sum"], a["weight_sum"]) == (435.0, 1.75, 8.0),
     "GetDimensionsCount": lambda a: (a["x_rank"], a["z_rank"]) == (3.0, 1.0),
     "GetDimensions": lambda a: (a["x_dim0"], a["x_dim1"], a["x_dim2"], a["z_dim0"]) == (2.0, 3.0, 5.0, 7.0),
@@ -260,9 +274,11 @@ CHECKS = {
     "KernelInfoGetAttribute_float": lambda a: a["alpha"] == 0.375,
     "KernelInfoGetAttribute_int64": lambda a: a["k"] == 41.0,
     "KernelContext_GetInput": lambda a: (a["x_dim0"], a["z_dim0"], a["z_sum"]) == (2.0, 7.0, 1.75),
-    "KernelContext_GetOutput": lambda a: a["shape"] == [3, 6],
+    "KernelContext_GetOutput": lambda a: a["shape"] == [4, 5],
     # released, 64 infos leave the heap as it was; kept, they grow it (so the measure can see a miss)
     "ReleaseTensorTypeAndShapeInfo": lambda a: a["grown_released"] == 0.0 and a["grown_kept"] > 0.0,
+    # released, 64 statuses of 4 KB messages leave the heap as it was; kept, they grow it by their messages
+    "ReleaseStatus": lambda a: a["status_grown_released"] == 0.0 and a["status_grown_kept"] >= 64 * 4096,
     "KernelInfoGetConstantInput_tensor": lambda a: (a["weight_is_constant"], a["x_is_constant"],
                                                     a["weight_sum"]) == (1.0, 0.0, 8.0),
     "KernelContext_ParallelFor": lambda a: (a["parallel_calls"], a["parallel_index_sum"]) == (13.0, 91.0),

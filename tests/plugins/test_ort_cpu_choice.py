@@ -70,8 +70,9 @@ def test_reverted_linears_are_the_onnx_ops_with_the_same_outputs() -> None:
 
 
 @pytest.mark.parametrize(("variant", "rows", "kept"), [
-    ("avx2", 1, {"big"}), ("avx2", 4, {"big"}), ("avx2", 8, set()),
-    ("avx512", 1, set()), ("avx512", 8, {"mm", "gemm", "head", "big"}), ("portable", 4, set())])
+    ("avx2", 1, set()), ("avx2", 4, {"big"}), ("avx2", 8, {"big"}),
+    ("avx512", 1, {"mm", "gemm", "head"}), ("avx512", 8, {"mm", "gemm", "head", "big"}), ("portable", 1, set()),
+    ("portable", 4, set())])
 def test_the_table_picks_by_variant_size_and_rows(variant: str, rows: int, kept: set[str]) -> None:
     model = linears_model()
     choice.revert_linears(model, choice.for_variant(variant), rows)
@@ -85,12 +86,12 @@ def test_the_backend_hook_reads_this_processes_variant(tmp_path: Path, monkeypat
     onnx.save(model, str(path), save_as_external_data=True, location="m.onnx.data")  # small constants inline, as exported
     monkeypatch.setattr(ort_cpu, "isa", lambda: "avx512")
     assert ort_backend._kernels_for_isa(ort.SessionOptions(), path, rows=8) == str(path)    # nothing to put back
-    for variant, rows, packed in (("avx512", 1, 0), ("avx2", 8, 0), ("avx2", 1, 1)):
+    for variant, rows, packed in (("avx512", 1, 3), ("avx2", 1, 0), ("avx2", 8, 1)):
         monkeypatch.setattr(ort_cpu, "isa", lambda variant=variant: variant)
         options = ort.SessionOptions()
         source = ort_backend._kernels_for_isa(options, path, rows=rows)
         assert isinstance(source, bytes)
-        assert op_types(onnx.load_from_string(source))["PackedLinear"] == packed   # only the 1.22 MiB weight, or none
+        assert op_types(onnx.load_from_string(source))["PackedLinear"] == packed   # the small three, the big one, none
     for got, expected in zip(run(source, x, options), want):                         # weights read from tmp_path
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]  # nothing written
@@ -113,3 +114,23 @@ def test_an_artifact_decodes_the_same_tokens_with_linears_reverted(tiny_artifact
         reverted[name] = sum(counts)
     assert reverted["native"] == 0 and reverted["reverted"] >= 30     # the graphs' PackedLinear nodes (groups count once)
     assert tokens["reverted"] == tokens["native"] and all(len(t) == 12 for t in tokens["native"])
+
+
+def test_one_row_runs_nodes_up_to_the_byte_limit_native_grouped_weights_counted_together() -> None:
+    """avx512's 1-row rule: a node of at most one_row_max_bytes stays PackedLinear, decided on all of a group's
+    weights together (a q|k|v node is one stream), and a larger one goes back; 2+ rows keep both."""
+    limit = choice.for_variant("avx512").one_row_max_bytes
+    assert limit > 0
+    widths = {"fits": limit // (4 * 16), "over": limit // (4 * 16) // 2 + 1}   # over: two such weights pass the limit
+    nodes = [helper.make_node("PackedLinear", ["x", "fits_w"], ["fits"], domain=ort_cpu.DOMAIN, trans_b=1, name="fits"),
+             helper.make_node("PackedLinear", ["x", "over_a", "over_b"], ["a", "b"], domain=ort_cpu.DOMAIN, trans_b=1,
+                              name="over")]
+    inits = [numpy_helper.from_array(np.zeros((widths[n[:4]], 16), np.float32), n) for n in ("fits_w", "over_a", "over_b")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", 16])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["M", None]) for n in ("fits", "a", "b")],
+                              inits)
+    for rows, kept in ((1, {"fits"}), (2, {"fits", "over"})):
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)], ir_version=10)
+        assert choice.revert_linears(model, choice.for_variant("avx512"), rows) == 2 - len(kept)
+        assert {n.name for n in model.graph.node if n.op_type == "PackedLinear"} == kept
+    assert "1 row for weights <= 1 MiB" in choice.describe("avx512")
