@@ -1,5 +1,5 @@
-"""model.ort.onnx's attention fusion: a layer's RoPE, head reshapes, KV delta row and in-place paged attention
-become one `unispec.cpu::PagedAttentionRope` node (plugins/ort_cpu/paged_attention_rope.cc).
+"""model.ort.onnx's attention fusion: a layer's RoPE, q/k/v norms, head reshapes, KV delta row and in-place
+paged attention become one `unispec.cpu::PagedAttentionRope` node (plugins/ort_cpu/paged_attention_rope.cc).
 
 At the bundled sizes a step is dispatch-bound (~1-5 us a node on one core); after lowering.py and fusions.py
 a Llama layer's attention is still twelve nodes, eleven of which only move data:
@@ -10,13 +10,22 @@ a Llama layer's attention is still twelve nodes, eleven of which only move data:
                                          └─┴─Concat─Unsqueeze(1)─▶ [S, 1, W] (the layer's KV delta row)
       ==>  PagedAttentionRope(q2d, k2d, v2d, cos, sin, kv_pool, ...) ─▶ [S, Hq*Dv], [S, 1, W]
 
+DFlash's draft and Gemma 4 norm q and k per head before RoPE (Gemma 4 also v, by a weightless norm), and
+reach the [S, H, 1, D] RoPE reads through an Unsqueeze (Gemma 4's delta row flattens the final heads again):
+
+    x2d ─Reshape[S,H,D]─RMSNormalization(w)─Unsqueeze(2)─RotaryEmbedding─Squeeze(2) (or Reshape[S,H,D])─▶ q, k
+    v2d ─Reshape[S,H,Dv]─RMSNormalization(ConstantOfShape(Shape(·)) = 1)─▶ v
+      ==>  the fused node's q_norm, k_norm inputs (w) and v_norm attribute, one norm_epsilon for all
+
 The match starts from each native attention node and is structural and exact: q2d, k2d, v2d rank 2 float32
 with static widths; both RotaryEmbeddings (opset 23, no position_ids) non-interleaved, rotating all of D, over
-[S, H, 1, D] reshapes of q2d and k2d, reading the same [S, 1, D/2] tables; the heads reshaped to [S, H, D];
-the attention read back as [S, Hq*Dv]; no intermediate value read by anything else (nor a graph output). The
-Concat and its Unsqueeze are optional (a last draft step writes no delta row: its delta output goes unused).
-Anything else (partial or interleaved rotation, DeepSeek's PagedMLA, Gemma's variants, other producers) keeps
-its nodes. What produces q2d, k2d and v2d does not matter (a MatMul, a quantized MatMul, PackedLinear).
+[S, H, 1, D] views of q2d and k2d (or of their norms), reading the same [S, 1, D/2] tables; each norm an
+RMSNormalization over D (stash_type 1) with a float32 [D] weight (v's: ones of its input's shape), all of one
+epsilon; the heads viewed as [S, H, D]; the attention read back as [S, Hq*Dv]; no intermediate value read by
+anything else (nor a graph output). The delta row (Concat of the flattened final k and v, then Unsqueeze) is
+optional (a last draft step writes none). Anything else (partial or interleaved rotation, DeepSeek's PagedMLA,
+Gemma 4's draft layers reading the target's KV, other producers or norms) keeps its nodes. What produces
+q2d, k2d and v2d does not matter (a MatMul, a quantized MatMul, PackedLinear).
 """
 
 from __future__ import annotations
@@ -37,17 +46,27 @@ _ONNX = ("", "ai.onnx")
 
 
 @dataclass
+class _Side:
+    """q, k or v from its projection's output to the [S, H, D] the attention reads."""
+    x2d: ir.Value                                   # [S, H*D] the projection's output
+    heads: int
+    dim: int
+    nodes: list[ir.Node] = field(default_factory=list)   # the chain's nodes, x2d's producer excluded
+    flat: ir.Value | None = None                    # [S, H*D] equal to the final heads (a delta row's part)
+    tables: tuple[ir.Value, ir.Value] | None = None  # RoPE's cos, sin [S, 1, D/2]; None: not rotated
+    norm: ir.Node | None = None                     # its RMSNormalization (before RoPE when rotated)
+
+
+@dataclass
 class _Match:
     """One attention node's chain: what the fused node reads, and what it replaces."""
-    q2d: ir.Value                     # [S, Hq*D]
-    k2d: ir.Value                     # [S, Hkv*D]
-    v2d: ir.Value                     # [S, Hkv*Dv]
-    cos: ir.Value                     # [S, 1, D/2]
-    sin: ir.Value
-    heads: tuple[int, int, int]       # q_heads, kv_heads, head_dim
+    q: _Side
+    k: _Side
+    v: _Side
     output: ir.Value                  # the attention read back as [S, Hq*Dv]
-    delta: ir.Value | None = None     # the [S, 1, W] delta row, when the layer writes one
-    nodes: list[ir.Node] = field(default_factory=list)   # every node the fused node replaces
+    delta: ir.Value | None            # the [S, 1, W] delta row, when the layer writes one
+    nodes: set[ir.Node]               # every node the fused node replaces
+    epsilon: float                    # the norms' (0.0 when the layer has none)
 
 
 def fuse(model: ir.Model) -> int:
@@ -69,91 +88,170 @@ def fuse(model: ir.Model) -> int:
 
 
 def _match(attention: ir.Node) -> _Match | None:
-    q, k, v = attention.inputs[:3]
-    squeeze = _single_producer(q, "Squeeze")
-    if squeeze is None or not is_singleton_value(squeeze.inputs[1], lambda a: a in (2, -2)):
-        return None
-    q_side = _rope(squeeze.inputs[0])
-    k_view = _single_producer(k, "Reshape")
-    v_view = _single_producer(v, "Reshape")
+    q, k, v = (_side(value) for value in attention.inputs[:3])
     output = _read_back(attention)
-    if q_side is None or k_view is None or v_view is None or output is None:
+    if q is None or k is None or v is None or output is None or q.tables is None or v.tables is not None \
+            or k.tables != q.tables or k.dim != q.dim or k.heads != v.heads or q.heads % k.heads \
+            or not _reshapes_to(output.producer(), [q.heads * v.dim]):
         return None
-    (q2d, cos, sin, (q_heads, dim), q_nodes), k_flat = q_side, k_view.inputs[0]
-    k_side = _k_chain(k_flat)
-    if k_side is None:
+    epsilon, delta = _norms(q, k, v), _delta(attention, k, v)
+    if epsilon is None or delta is None:
         return None
-    (k2d, k_cos, k_sin, (kv_heads, k_dim), k_nodes), concat, unsqueeze = k_side
-    v2d = v_view.inputs[0]
-    if k_cos is not cos or k_sin is not sin or k_dim != dim or not _is_matrix(v2d) or v2d.shape[1] % kv_heads \
-            or (concat is not None and concat.inputs[1] is not v2d):
-        return None
-    v_dim = v2d.shape[1] // kv_heads
-    if not (_reshapes_to(k_view, [kv_heads, dim]) and _reshapes_to(v_view, [kv_heads, v_dim])
-            and _reshapes_to(output.producer(), [q_heads * v_dim])):
-        return None
-    nodes = [*q_nodes, squeeze, *k_nodes, k_view, v_view, attention, output.producer()]
-    if concat is not None:
-        nodes += [concat, unsqueeze]
-    return _Match(q2d, k2d, v2d, cos, sin, (q_heads, kv_heads, dim), output,
-                  unsqueeze.outputs[0] if unsqueeze is not None else None, nodes)
+    delta_nodes, delta_row = delta
+    nodes = {*q.nodes, *k.nodes, *v.nodes, attention, output.producer(), *delta_nodes}
+    kept = {output} if delta_row is None else {output, delta_row}
+    for node in nodes:                # nothing else may read what the fused node no longer makes
+        for value in node.outputs:
+            if value not in kept and (value.is_graph_output() or any(u.node not in nodes for u in value.uses())):
+                return None
+    return _Match(q, k, v, output, delta_row, nodes, epsilon)
 
 
-def _rope(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value, tuple[int, int], list[ir.Node]] | None:
-    """(x2d, cos, sin, (heads, D), nodes) when `value` is RotaryEmbedding(Reshape(x2d, [S, H, 1, D]), cos, sin),
-    non-interleaved over all of D, x2d float32 [S, H*D], the tables [S, 1, D/2]; else None."""
-    rope = _single_producer(value, "RotaryEmbedding")
-    if rope is None or len(rope.inputs) != 3 or rope.attributes.get_int("interleaved", 0) != 0 \
-            or rope.attributes.get_int("num_heads", 0) != 0:
+def _side(value: ir.Value | None) -> _Side | None:
+    """How the attention's q, k or v [S, H, D] `value` comes from a projection, or None when it is no chain
+    the fused node computes: Squeeze(RoPE, 2); Reshape(RoPE or Reshape(RoPE, [S, H*D]), [S, H, D]); an
+    unrotated Reshape(x2d, [S, H, D]), normed or not."""
+    node = _onnx_producer(value)
+    if node is not None and node.op_type == "Squeeze":
+        side = _rotated(node.inputs[0]) if is_singleton_value(node.inputs[1], lambda a: a in (2, -2)) else None
+    elif node is not None and node.op_type == "RMSNormalization":
+        side = _viewed(node.inputs[0], 3)
+        if side is not None:
+            side.norm = node
+    elif node is not None and node.op_type == "Reshape" and len(_view(node, 3) or ()) == 2:
+        source = node.inputs[0]
+        inner = _onnx_producer(source)
+        if inner is not None and inner.op_type == "RotaryEmbedding":
+            side = _rotated(source)
+        elif inner is not None and inner.op_type == "Reshape" \
+                and getattr(_onnx_producer(inner.inputs[0]), "op_type", None) == "RotaryEmbedding":
+            side = _rotated(inner.inputs[0])
+            side = side if side is not None and _reshapes_to(inner, [side.heads * side.dim]) else None
+            if side is not None:
+                side.nodes.append(inner)
+                side.flat = source
+        else:
+            return _viewed(value, 3, flat=True)
+    else:
         return None
-    view = _single_producer(rope.inputs[0], "Reshape")
-    shape = None if view is None else get_numpy_value(view.inputs[1])
-    if shape is None or shape.shape != (4,) or int(shape[2]) != 1 or min(int(shape[1]), int(shape[3])) <= 0 \
-            or not _keeps_tokens(view, int(shape[0])):
+    if side is None or _view(node, 3) not in (None, [side.heads, side.dim]):
         return None
-    heads, dim = int(shape[1]), int(shape[3])
-    x2d, cos, sin = view.inputs[0], rope.inputs[1], rope.inputs[2]
-    if dim % 2 or rope.attributes.get_int("rotary_embedding_dim", 0) not in (0, dim) or not _is_matrix(x2d) \
-            or x2d.shape[1] != heads * dim or not (_is_table(cos, dim // 2) and _is_table(sin, dim // 2)):
-        return None
-    return x2d, cos, sin, (heads, dim), [view, rope]
+    side.nodes.append(node)
+    return side
 
 
-def _k_chain(k_flat: ir.Value) -> tuple[tuple, ir.Node | None, ir.Node | None] | None:
-    """(k's _rope, Concat, Unsqueeze) for k_flat = Reshape(rope, [S, Hkv*D]) read by the head view and by
-    Concat(k_flat, v2d) -> Unsqueeze(1) alone, or k_flat = rope itself (no delta row): Concat, Unsqueeze None."""
-    producer = k_flat.producer()
-    if producer is not None and producer.op_type == "RotaryEmbedding":
-        side = _rope(k_flat) if len(k_flat.uses()) == 1 and not k_flat.is_graph_output() else None
-        return None if side is None else (side, None, None)
-    if producer is None or producer.op_type != "Reshape" or producer.domain not in _ONNX \
-            or k_flat.is_graph_output() or producer.inputs[0] is None:
+def _rotated(value: ir.Value) -> _Side | None:
+    """The side when `value` is RotaryEmbedding(x4, cos, sin), non-interleaved over all of D, x4 [S, H, 1, D]
+    either Reshape(x2d) or Unsqueeze(y, 2) of y = Reshape(x2d, [S, H, D]), normed or not; the tables
+    [S, 1, D/2]; else None."""
+    rope = _onnx_producer(value)
+    if rope is None or rope.op_type != "RotaryEmbedding" or len(rope.inputs) != 3 \
+            or rope.attributes.get_int("interleaved", 0) != 0 or rope.attributes.get_int("num_heads", 0) != 0:
         return None
-    side = _rope(producer.inputs[0])
-    if side is None or not _reshapes_to(producer, [side[3][0] * side[3][1]]):
+    view = _onnx_producer(rope.inputs[0])
+    if view is not None and view.op_type == "Unsqueeze" and is_singleton_value(view.inputs[1], lambda a: a in (2, -2)):
+        norm = _onnx_producer(view.inputs[0])
+        norm = norm if norm is not None and norm.op_type == "RMSNormalization" else None
+        side = _viewed(view.inputs[0] if norm is None else norm.inputs[0], 3)
+        if side is not None:
+            side.nodes += [view] if norm is None else [norm, view]
+            side.norm = norm
+    else:
+        side = _viewed(rope.inputs[0], 4)
+    if side is None or side.dim % 2 or rope.attributes.get_int("rotary_embedding_dim", 0) not in (0, side.dim) \
+            or not (_is_table(rope.inputs[1], side.dim // 2) and _is_table(rope.inputs[2], side.dim // 2)):
         return None
-    side = (*side[:4], [*side[4], producer])
-    readers = [use.node for use in k_flat.uses()]
-    if len(readers) == 1:
-        return side, None, None
-    concat = next((n for n in readers if n.op_type == "Concat"), None)
-    if len(readers) != 2 or concat is None or concat.domain not in _ONNX or len(concat.inputs) != 2 \
-            or concat.inputs[0] is not k_flat or concat.attributes.get_int("axis", 0) not in (1, -1):
+    side.tables = (rope.inputs[1], rope.inputs[2])
+    side.nodes.append(rope)
+    return side
+
+
+def _viewed(value: ir.Value, rank: int, *, flat: bool = False) -> _Side | None:
+    """The side when `value` is Reshape(x2d, [S, H, D]) (rank 3) or [S, H, 1, D] (rank 4), x2d float32
+    [S, H*D]; `flat`: x2d is the final heads (nothing between them but this view)."""
+    node = _onnx_producer(value)
+    shape = None if node is None or node.op_type != "Reshape" else _view(node, rank)
+    if shape is None or (rank == 4 and shape[1] != 1):
         return None
-    joined = concat.outputs[0]
-    unsqueeze = _sole_reader(joined)
+    heads, dim, x2d = shape[0], shape[-1], node.inputs[0]
+    if not _is_matrix(x2d) or x2d.shape[1] != heads * dim:
+        return None
+    return _Side(x2d, heads, dim, [node], flat=x2d if flat else None)
+
+
+def _norms(q: _Side, k: _Side, v: _Side) -> float | None:
+    """The one epsilon of the layer's norms (0.0 when none), or None when a norm is none the fused node
+    computes: q's and k's weighted by a float32 [D], v's by ones of its input's shape (whose ConstantOfShape
+    and Shape then join v's nodes)."""
+    epsilons = set()
+    for side, weighted in ((q, True), (k, True), (v, False)):
+        norm = side.norm
+        if norm is None:
+            continue
+        ones = None if weighted or len(norm.inputs) != 2 else _ones(norm)
+        if norm.domain not in _ONNX or len(norm.inputs) != 2 or len(norm.outputs) != 1 \
+                or norm.attributes.get_int("axis", -1) not in (-1, 2) \
+                or norm.attributes.get_int("stash_type", 1) != 1 \
+                or not (_is_weight(norm.inputs[1], side.dim) if weighted else ones is not None):
+            return None
+        side.nodes += ones or []
+        epsilons.add(norm.attributes.get_float("epsilon", 1e-5))
+    return None if len(epsilons) > 1 else next(iter(epsilons), 0.0)
+
+
+def _is_weight(value: ir.Value | None, dim: int) -> bool:
+    return value is not None and value.dtype == ir.DataType.FLOAT and value.shape is not None \
+        and list(value.shape) == [dim]
+
+
+def _ones(norm: ir.Node) -> list[ir.Node] | None:
+    """[ConstantOfShape, Shape] when the norm's weight is ConstantOfShape(Shape(its input)) of float32 1 (no
+    weight at all), else None."""
+    fill = _onnx_producer(norm.inputs[1])
+    shape = None if fill is None or fill.op_type != "ConstantOfShape" else _onnx_producer(fill.inputs[0])
+    if shape is None or shape.op_type != "Shape" or shape.inputs[0] is not norm.inputs[0] \
+            or shape.attributes.get_int("start", 0) != 0 or "end" in shape.attributes:
+        return None
+    one = fill.attributes.get("value")
+    array = None if one is None else one.as_tensor().numpy()
+    if array is None or array.dtype.name != "float32" or array.size != 1 or float(array.reshape(-1)[0]) != 1:
+        return None
+    return [fill, shape]
+
+
+def _delta(attention: ir.Node, k: _Side, v: _Side) -> tuple[list[ir.Node], ir.Value | None] | None:
+    """The nodes making the layer's delta row, Unsqueeze(Concat(k's final heads, v's, both [S, H*D]), 1),
+    and that row; ([], None) when no Concat reads k's final heads (the closure check in _match then sees
+    whether anything else does); None for any other Concat."""
+    k_views, v_views = _flat_views(attention.inputs[1], k), _flat_views(attention.inputs[2], v)
+    concats = {use.node for flat in k_views for use in flat.uses() if use.node.op_type == "Concat"}
+    if not concats:
+        return [], None
+    concat = concats.pop()
+    if concats or concat.domain not in _ONNX or len(concat.inputs) != 2 or concat.inputs[0] not in k_views \
+            or concat.inputs[1] not in v_views or concat.attributes.get_int("axis", 0) not in (1, -1):
+        return None
+    unsqueeze = _sole_reader(concat.outputs[0])
     if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or unsqueeze.domain not in _ONNX \
-            or joined.is_graph_output() or not is_singleton_value(unsqueeze.inputs[1], lambda a: a in (1, -2)):
+            or not is_singleton_value(unsqueeze.inputs[1], lambda a: a in (1, -2)):
         return None
-    return side, concat, unsqueeze
+    views = [k_views[concat.inputs[0]], v_views[concat.inputs[1]]]
+    return [*(view for view in views if view is not None), concat, unsqueeze], unsqueeze.outputs[0]
 
 
-def _single_producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    """The ONNX `op_type` node producing `value` when `value` is read once and is no graph output."""
-    if value is None or value.is_graph_output() or len(value.uses()) != 1:
-        return None
-    node = value.producer()
-    return node if node is not None and node.op_type == op_type and node.domain in _ONNX else None
+def _flat_views(heads: ir.Value, side: _Side) -> dict[ir.Value, ir.Node | None]:
+    """The [S, H*D] values equal to the final `heads` [S, H, D]: the side's own (its node already counted)
+    and Reshapes of `heads` (with their node)."""
+    views: dict[ir.Value, ir.Node | None] = {side.flat: None} if side.flat is not None else {}
+    for use in heads.uses():
+        if use.idx == 0 and _reshapes_to(use.node, [side.heads * side.dim]):
+            views[use.node.outputs[0]] = use.node
+    return views
+
+
+def _onnx_producer(value: ir.Value | None) -> ir.Node | None:
+    node = None if value is None else value.producer()
+    return node if node is not None and node.domain in _ONNX else None
 
 
 def _sole_reader(value: ir.Value) -> ir.Node | None:
@@ -170,14 +268,21 @@ def _read_back(attention: ir.Node) -> ir.Value | None:
     return reader.outputs[0]
 
 
+def _view(node: ir.Node | None, rank: int) -> list[int] | None:
+    """The tail of the constant [S, *tail] of `rank` a Reshape `node` makes (S as -1, or 0 copying the input's
+    tokens; the tail positive), else None."""
+    if node is None or node.op_type != "Reshape" or node.domain not in _ONNX:
+        return None
+    shape = get_numpy_value(node.inputs[1])
+    if shape is None or shape.shape != (rank,) or not _keeps_tokens(node, int(shape[0])) \
+            or min(int(s) for s in shape[1:]) <= 0:
+        return None
+    return [int(s) for s in shape[1:]]
+
+
 def _reshapes_to(node: ir.Node | None, tail: list[int]) -> bool:
     """Whether `node` is a Reshape to the constant [S, *tail] (S as -1, or 0 copying the input's tokens)."""
-    if node is None or node.op_type != "Reshape" or node.domain not in _ONNX:
-        return False
-    shape = get_numpy_value(node.inputs[1])
-    if shape is None or shape.ndim != 1 or [int(s) for s in shape[1:]] != tail:
-        return False
-    return _keeps_tokens(node, int(shape[0]))
+    return _view(node, len(tail) + 1) == tail
 
 
 def _keeps_tokens(node: ir.Node, first: int) -> bool:
@@ -212,13 +317,19 @@ def _half_source(table: ir.Value, tables: set[ir.Node]) -> ir.Value:
 
 def _replace(graph: ir.Graph, attention: ir.Node, match: _Match, tables: set[ir.Node]) -> None:
     """The fused node in `attention`'s place; its outputs take over the replaced values' uses and names."""
-    q_heads, kv_heads, dim = match.heads
+    q, k, v = match.q, match.k, match.v
+    cos, sin = q.tables
+    norms = [None if side.norm is None else side.norm.inputs[1] for side in (q, k)]
+    while norms and norms[-1] is None:
+        norms.pop()
+    attributes = [*attention.attributes.values(), ir.AttrInt64("q_heads", q.heads),
+                  ir.AttrInt64("kv_heads", k.heads), ir.AttrInt64("head_dim", q.dim)]
+    if any(side.norm is not None for side in (q, k, v)):
+        attributes += [ir.AttrInt64("v_norm", int(v.norm is not None)),
+                       ir.AttrFloat32("norm_epsilon", match.epsilon)]
     fused = ir.Node(NATIVE_DOMAIN, _FUSED[attention.op_type],
-                    [match.q2d, match.k2d, match.v2d, _half_source(match.cos, tables),
-                     _half_source(match.sin, tables), *attention.inputs[3:]],
-                    [*attention.attributes.values(), ir.AttrInt64("q_heads", q_heads),
-                     ir.AttrInt64("kv_heads", kv_heads), ir.AttrInt64("head_dim", dim)],
-                    num_outputs=2, name=f"{attention.name}_rope")
+                    [q.x2d, k.x2d, v.x2d, _half_source(cos, tables), _half_source(sin, tables),
+                     *attention.inputs[3:], *norms], attributes, num_outputs=2, name=f"{attention.name}_rope")
     graph.insert_after(attention, fused)
     replaced = [(match.output, fused.outputs[0])]
     if match.delta is not None:
@@ -227,8 +338,7 @@ def _replace(graph: ir.Graph, attention: ir.Node, match: _Match, tables: set[ir.
         new.shape, new.type = old.shape, old.type
         ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
     constants = {value for node in match.nodes for value in node.inputs if value is not None and value.is_initializer()}
-    for node in reversed(match.nodes):     # readers first: a node goes only once nothing reads it
-        graph.remove(node, safe=True)
+    graph.remove(match.nodes, safe=True)
     for value in constants:                # the reshapes' target shapes (ORT warns of unread initializers)
         if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
             del graph.initializers[value.name]
