@@ -3,6 +3,7 @@ and in onnxruntime-genai's model of the same checkpoint, on one intra-op thread.
 
     .venv/bin/python benchmarks/profile_step.py [--shape h1024] [--context 64] [--tokens 1] [--steps 16]
         [--cache-dir DIR] [--json OUT]
+    .venv/bin/python benchmarks/profile_step.py --artifact DIR [--genai GENAI_DIR] ...    # any artifact
 
 The shape's checkpoint and both models come from benchmarks/realistic_shapes.py's cache (built there when
 missing). Both engines prefill the same random C-token prompt, run one decode step untimed, then run --steps
@@ -24,6 +25,7 @@ import json
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -159,18 +161,27 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--cache-dir", type=Path, default=default_cache_dir() / "realistic")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--artifact", type=Path, default=None,
+                        help="profile this artifact (e.g. a bundled model's) instead of --shape's")
+    parser.add_argument("--genai", type=Path, default=None,
+                        help="with --artifact: an onnxruntime-genai model folder of the same checkpoint to profile too "
+                             "(`unispec bench --peers ort-genai` keeps its builds under ~/.cache/unispec/ort-genai)")
     args = parser.parse_args()
-    shape = rs.SHAPES[args.shape]
-    prepared = rs.prepare(shape, args.cache_dir)
+    if args.artifact is not None:       # any artifact; the peer only when named
+        name, prepared = args.artifact.name, types.SimpleNamespace(artifact=args.artifact, genai=args.genai)
+    else:
+        shape = rs.SHAPES[args.shape]
+        name, prepared = shape.name, rs.prepare(shape, args.cache_dir)
     prompt = rs.prompt_ids(args.context, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
-        results = {"unispec": profile_unispec(prepared, prompt, args, Path(tmp)),
-                   rs.GENAI: profile_genai(prepared, prompt, args, Path(tmp))}
-    print(f"{shape.name}, context {args.context}, {args.tokens} new token(s) in unispec's step, {args.steps} steps")
+        results = {"unispec": profile_unispec(prepared, prompt, args, Path(tmp))}
+        if prepared.genai is not None:
+            results[rs.GENAI] = profile_genai(prepared, prompt, args, Path(tmp))
+    print(f"{name}, context {args.context}, {args.tokens} new token(s) in unispec's step, {args.steps} steps")
     for name, result in results.items():
         print_engine(name, result)
     if args.json is not None:
-        args.json.write_text(json.dumps({"shape": shape.name, "context": args.context, "tokens": args.tokens,
+        args.json.write_text(json.dumps({"shape": name, "context": args.context, "tokens": args.tokens,
                                          "results": results}, indent=1) + "\n")
     return 0
 
