@@ -24,6 +24,11 @@ equal bits, block size and K (a layer's q, k and v) become one MatMulNBits over 
 along N, then one Split into the original outputs. Each output column is its own dot product over the same
 quantized X, so the values are bit for bit those of the separate nodes (tests/engines/ort/test_quant_groups.py);
 one dispatch and one quantization of X instead of three. Their codes are repacked into the ORT graph, as above.
+
+Before that, an MLP's SwiGLU (`fuse_swiglu`): gate and up, quantized alike and read by `Mul(G · Sigmoid(G), U)`
+alone, become one MatMulNBits over [gate; up] along N and unispec.cpu::SiluMul (plugins/ort_cpu/silu_mul.cc,
+PackedLinear's SiLU): 2 nodes where there were 5 (gate, up, Sigmoid, Mul, Mul; ORT makes the first Mul and the
+Sigmoid one QuickGelu), equal to them within float32 rounding of the SiLU.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)      # 0 unset (float32), 1 fp32, 2 fp16, 3 bf
 DEFAULT_ACCURACY_LEVEL = 4
 SESSION_ACCURACY_KEY = "session.qdq_matmulnbits_accuracy_level"   # ORT's fusion takes its level from here
 # q|k|v: 3 nodes -> MatMulNBits + Split; gate|up would stay 2 nodes (2 -> 2), so only groups of 3 or more
+# (gate|up with their SwiGLU: fuse_swiglu)
 MIN_GROUP = 3
 
 
@@ -61,15 +67,18 @@ def pack(codes: np.ndarray, scales: np.ndarray, *, bits: int, block_size: int) -
 
 
 def lower(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL, *, every: bool = False,
-          grouped: bool = True) -> int:
+          grouped: bool = True, swiglu: bool = True) -> int:
     """Replace main-graph MatMuls of a float32 / float16 activation and a constant blocked DQ (axis 0, int4 or int8, no
-    zero point) by MatMulNBits, in place: (`grouped`) siblings of one X merged first (`group`), then those ONNX
-    Runtime would not fuse itself, or `every` one. Returns how many MatMulNBits the graph has. The DQs and codes
+    zero point) by MatMulNBits, in place: (`swiglu`) an MLP's gate and up with its SwiGLU merged first
+    (`fuse_swiglu`), (`grouped`) siblings of one X next (`group`), then those ONNX Runtime would not fuse
+    itself, or `every` one. Returns how many MatMulNBits the graph has. The DQs and codes
     nothing reads any more go."""
     import onnx_ir as ir
 
     assert accuracy_level in ACCURACY_LEVELS, accuracy_level
     _bypass_scale_identities(model.graph)
+    if swiglu:          # first: a gate and up that had a third sibling would otherwise go to group's Split
+        fuse_swiglu(model, accuracy_level)
     if grouped:
         group(model, accuracy_level)
     packed: dict[str, tuple[ir.Value, ir.Value, dict]] = {}
@@ -93,6 +102,67 @@ def lower(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL, *, ever
     if packed:
         model.opset_imports[DOMAIN] = 1
     return sum(1 for node in model.graph if node.op_type == "MatMulNBits" and node.domain == DOMAIN)
+
+
+def fuse_swiglu(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> int:
+    """Replace, in place, every main-graph `Mul(silu(G), U)`, silu(G) = `Mul(G, Sigmoid(G))` (operands in either
+    order), whose G and U are float32 DQ + MatMul pairs of one X that `group` would merge, of one N, and read by
+    that SwiGLU alone, by one MatMulNBits over [gate; up] along N + unispec.cpu::SiluMul. Returns how many."""
+    import onnx_ir as ir
+
+    from plugins import ort_cpu
+
+    fused = 0
+    for node in list(model.graph):
+        found = _swiglu(node)
+        if found is None:
+            continue
+        members, silu = found
+        first, nbits = _concatenated(model, members, accuracy_level)
+        silu_mul = ir.node("SiluMul", inputs=[nbits.outputs[0]], domain=ort_cpu.DOMAIN, version=1,
+                           name=f"{first.name}/silu_mul", num_outputs=1)
+        model.graph.insert_before(first, [nbits, silu_mul])
+        sigmoid = next(use.node for use in members[0][0].outputs[0].uses() if use.node is not silu)
+        _rewire(model.graph, [(node.outputs[0], silu_mul.outputs[0])],
+                [node, silu, sigmoid, *(linear for linear, _, _ in members), *(dq for _, dq, _ in members)])
+        model.opset_imports[ort_cpu.DOMAIN] = 1
+        fused += 1
+    return fused
+
+
+def _swiglu(node: ir.Node) -> tuple[list[tuple[ir.Node, ir.Node, dict]], ir.Node] | None:
+    """([(gate MatMul, its DQ, attributes), (up ...)], the silu Mul) when `node` is the Mul of a SwiGLU that
+    fuse_swiglu takes."""
+    import onnx_ir as ir
+
+    if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    for silu, up in (node.inputs, node.inputs[::-1]):
+        gate = _silu_input(silu)
+        if gate is None or up is None or up.is_graph_output() or len(up.uses()) != 1:
+            continue
+        members = [(value.producer(), *found) for value in (gate, up)
+                   if value.producer() is not None and (found := _dequantized_weight(value.producer())) is not None
+                   and len(found[0].outputs[0].uses()) == 1 and len(found[0].inputs[0].uses()) == 1]
+        if (len(members) == 2 and members[0][0].inputs[0] is members[1][0].inputs[0]
+                and members[0][0].inputs[0].dtype == ir.DataType.FLOAT          # SiluMul: float32 only
+                and all(members[0][2][key] == members[1][2][key] for key in ("K", "N", "bits", "block_size"))):
+            return members, silu.producer()
+    return None
+
+
+def _silu_input(silu: ir.Value | None) -> ir.Value | None:
+    """G when `silu` is `Mul(G, Sigmoid(G))` (either order) read once, and G and its Sigmoid are read by it alone."""
+    node = silu.producer() if silu is not None and len(silu.uses()) == 1 and not silu.is_graph_output() else None
+    if node is None or node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    for gate, sigmoid in (node.inputs, node.inputs[::-1]):
+        producer = sigmoid.producer() if sigmoid is not None else None
+        if (producer is not None and producer.op_type == "Sigmoid" and producer.domain in ("", "ai.onnx")
+                and producer.inputs[0] is gate and len(sigmoid.uses()) == 1 and not sigmoid.is_graph_output()
+                and gate is not None and len(gate.uses()) == 2 and not gate.is_graph_output()):
+            return gate
+    return None
 
 
 def group(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> int:
@@ -119,33 +189,56 @@ def _merge(model: ir.Model, members: list[tuple[ir.Node, ir.Node, dict]], accura
     import onnx_ir as ir
 
     graph = model.graph
+    first, nbits = _concatenated(model, members, accuracy_level)
+    widths = ir.Value(name=f"{members[0][1].inputs[0].name}_group_split",
+                      const_value=ir.tensor(np.array([attrs["N"] for _, _, attrs in members], dtype=np.int64)))
+    graph.register_initializer(widths)
+    split = ir.node("Split", inputs=[nbits.outputs[0], widths], attributes={"axis": -1},
+                    name=f"{first.name}/split", num_outputs=len(members))
+    graph.insert_before(first, [nbits, split])
+    _rewire(graph, [(node.outputs[0], new) for new, (node, _, _) in zip(split.outputs, members)],
+            [node for node, _, _ in members] + [dq for _, dq, _ in members])
+
+
+def _concatenated(model: ir.Model, members: list[tuple[ir.Node, ir.Node, dict]],
+                  accuracy_level: int) -> tuple[ir.Node, ir.Node]:
+    """(the first of `members`' MatMuls in graph order, a MatMulNBits not yet inserted over their weights
+    concatenated along N, its initializers registered)."""
+    import onnx_ir as ir
+
+    graph = model.graph
     first = min((node for node, _, _ in members), key=list(graph).index)
     packed = [_packed_arrays(dq, attrs) for _, dq, attrs in members]
-    widths = [attrs["N"] for _, _, attrs in members]
     name = members[0][1].inputs[0].name
     values = []
     for suffix, array in (("_group_nbits", np.concatenate([w for w, _ in packed])),
-                          ("_group_nbits_scales", np.concatenate([s for _, s in packed])),
-                          ("_group_split", np.array(widths, dtype=np.int64))):
+                          ("_group_nbits_scales", np.concatenate([s for _, s in packed]))):
         values.append(ir.Value(name=f"{name}{suffix}", const_value=ir.tensor(array)))
         graph.register_initializer(values[-1])
-    nbits = ir.node("MatMulNBits", inputs=[first.inputs[0], values[0], values[1]], domain=DOMAIN, version=1,
-                    attributes={**members[0][2], "N": sum(widths), "accuracy_level": accuracy_level},
+    nbits = ir.node("MatMulNBits", inputs=[first.inputs[0], *values], domain=DOMAIN, version=1,
+                    attributes={**members[0][2], "N": sum(attrs["N"] for _, _, attrs in members),
+                                "accuracy_level": accuracy_level},
                     name=f"{first.name}/grouped", num_outputs=1)
-    split = ir.node("Split", inputs=[nbits.outputs[0], values[2]], attributes={"axis": -1},
-                    name=f"{first.name}/split", num_outputs=len(members))
-    graph.insert_before(first, [nbits, split])
-    for new, (node, _, _) in zip(split.outputs, members):
-        new.shape, new.type = node.outputs[0].shape, node.outputs[0].type
-        ir.convenience.replace_all_uses_with(node.outputs[0], new, replace_graph_outputs=True)
-    read = [value for _, dq, _ in members for value in dq.inputs[:2]]       # removing a node detaches its inputs
-    graph.remove([node for node, _, _ in members] + [dq for _, dq, _ in members], safe=True)
-    for new, (node, _, _) in zip(split.outputs, members):
-        new.name = node.outputs[0].name
+    model.opset_imports[DOMAIN] = 1
+    return first, nbits
+
+
+def _rewire(graph: ir.Graph, pairs: list[tuple[ir.Value, ir.Value]], removed: list[ir.Node]) -> None:
+    """Every (old, new) of `pairs`: new takes old's readers, shape, type and name; then `removed` go, and the
+    initializers nothing reads any more."""
+    import onnx_ir as ir
+
+    for old, new in pairs:
+        new.shape, new.type = old.shape, old.type
+        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+    read = [value for node in removed for value in node.inputs                # removing a node detaches its inputs
+            if value is not None and value.is_initializer()]
+    graph.remove(removed, safe=True)
+    for old, new in pairs:
+        new.name = old.name
     for value in read:
         if not value.uses() and not value.is_graph_output():
             graph.initializers.pop(value.name, None)
-    model.opset_imports[DOMAIN] = 1
 
 
 def _bypass_scale_identities(graph: ir.Graph) -> None:

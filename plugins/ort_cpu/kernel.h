@@ -106,5 +106,7 @@ const OrtCustomOp* paged_attention_op(bool with_rows);   // paged_attention.cc
 const OrtCustomOp* spec_accept_op();                      // spec_accept.cc
 const OrtCustomOp* sample_draft_op();                     // spec_accept.cc
 const OrtCustomOp* packed_linear_op();                    // matmul.cc
+const OrtCustomOp* paged_attention_rope_op(bool with_rows);  // paged_attention_rope.cc
+const OrtCustomOp* silu_mul_op();                         // silu_mul.cc
 
 }  // namespace unispec_cpu

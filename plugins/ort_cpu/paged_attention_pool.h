@@ -24,6 +24,4 @@ OrtStatus* read_attention_attributes(const OrtKernelInfo* info, Attributes* a);
 // error status, never a wild read), then writes out [S, Hq, Dv], which the caller allocated.
 OrtStatus* attend_pool(const Attributes& attr, const Tensor* inputs, const Tensor* rows, float* out);
 
-const OrtCustomOp* paged_attention_rope_op(bool with_rows);   // paged_attention_rope.cc
-
 }  // namespace unispec_cpu

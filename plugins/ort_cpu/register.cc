@@ -2,7 +2,6 @@
 // and every op of domain unispec.cpu is added there.
 
 #include "kernel.h"
-#include "paged_attention_pool.h"   // paged_attention_rope_op (kernel.h declares the others)
 
 using namespace unispec_cpu;
 
@@ -16,7 +15,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
       "unispec.cpu", &domain));
   for (const OrtCustomOp* op : {paged_attention_op(false), paged_attention_op(true), paged_attention_rope_op(false),
                                 paged_attention_rope_op(true), spec_accept_op(), sample_draft_op(),
-                                packed_linear_op()})
+                                packed_linear_op(), silu_mul_op()})
     RETURN_IF_ERROR(call<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(g_api, CustomOpDomain_Add)(domain, op));
   return call<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(g_api, AddCustomOpDomain)(options, domain);
 }
