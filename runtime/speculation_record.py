@@ -11,9 +11,9 @@ next engine what the last ones measured, so it decides from its first step:
 
 Ratios, not step times: the two times of one ratio come from the same engine and stretch alike with the
 machine's load, times taken by different processes do not. The file is keyed by what sets those costs: the
-artifact's graphs (manifest and graph files), the backend and its options (threads), the CPU and
-onnxruntime's version; artifacts of the same shape share it. It lives in the user cache folder beside the
-native kernels (`$UNISPEC_CACHE`, else `$XDG_CACHE_HOME/unispec`, else `~/.cache/unispec`) under
+artifact's graphs (manifest and graph files), the backend and its options (threads), the CPU, onnxruntime's
+version and, for ONNX Runtime, the native kernels' sources; artifacts of the same shape share it. It lives in the
+user cache folder beside the native kernels (`$UNISPEC_CACHE`, else `$XDG_CACHE_HOME/unispec`, else `~/.cache/unispec`) under
 `speculation/`, or in `$UNISPEC_SPECULATION_RECORD` (a folder; `off`: no record, each engine measures
 anew, as a reproducible benchmark or a test suite may want), and is written to a temporary name and renamed, so a reader sees a whole record or the last
 one. A record that does not parse or holds values out of range is ignored (the engine explores as with
@@ -104,7 +104,8 @@ class RecordFile:
         for path in sorted(Path(artifact_dir).glob("*.onnx")) + [Path(artifact_dir) / "manifest.json"]:
             key.update(path.name.encode() + b"\0" + path.read_bytes() if path.suffix == ".json"
                        else f"{path.name}:{path.stat().st_size}".encode())
-        key.update(json.dumps([backend, sorted((str(n), repr(v)) for n, v in options.items()), _machine()]).encode())
+        key.update(json.dumps([backend, sorted((str(n), repr(v)) for n, v in options.items()), _machine(),
+                               _kernels(backend)]).encode())
         return cls(folder / f"{key.hexdigest()[:24]}.json", k)
 
     def load(self) -> CostRecord | None:
@@ -132,6 +133,18 @@ class RecordFile:
                 warnings.warn(f"cannot write adaptive speculation's record {self.path} ({exc.strerror or exc}); "
                               "each LLM will measure its costs anew. Set UNISPEC_CACHE to a writable folder",
                               stacklevel=2)
+
+
+def _kernels(backend: str) -> str:
+    """The native CPU kernels' identity for the ort backend (new kernels, new costs), else ""."""
+    if backend != "ort":
+        return ""
+    from plugins import ort_cpu
+
+    try:
+        return ort_cpu.sources_digest()
+    except OSError:                  # sources unreadable: the build would fail too, and say so
+        return ""
 
 
 def _machine() -> list[str]:

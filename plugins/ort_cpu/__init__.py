@@ -36,7 +36,7 @@ from plugins.ort_cpu import header, variants
 from plugins.ort_cpu.variants import IsaError
 
 __all__ = ["DOMAIN", "BuildError", "IsaError", "build", "cache_dir", "compiler", "isa", "library_path",
-           "packed_linear_bytes"]
+           "packed_linear_bytes", "sources_digest"]
 
 DOMAIN = "unispec.cpu"
 SOURCES = ("paged_attention.cc", "paged_attention_attend.h", "paged_attention_blocks.h", "paged_attention_pool.h",
@@ -116,12 +116,20 @@ def build(variant: str) -> Path:
     return _build_privately(cxx, flags, chosen.name, folder, unwritable)
 
 
-def _key(cxx: str | None, flags: tuple[str, ...], variant: str) -> str:
-    """The build's identity: sources, compiler, flags and the ISA it targets (not the CPU that built it)."""
+def sources_digest() -> str:
+    """What the kernels compute and how fast: their sources and the constants they include (header.py, as
+    Python states them now). Part of each build's key, and of adaptive speculation's cost record's key
+    (runtime/speculation_record.py), so new kernels start a new record."""
     key = hashlib.sha256()
     for name in SOURCES:
         key.update((_HERE / name).read_bytes())
-    key.update(header.text().encode())           # the constants the sources include, as Python states them now
+    key.update(header.text().encode())
+    return key.hexdigest()[:16]
+
+
+def _key(cxx: str | None, flags: tuple[str, ...], variant: str) -> str:
+    """The build's identity: sources, compiler, flags and the ISA it targets (not the CPU that built it)."""
+    key = hashlib.sha256(sources_digest().encode())
     key.update(" ".join((cxx or "", *flags, *VECTOR_MATH, platform.machine(), variant)).encode())
     return key.hexdigest()[:16]
 

@@ -146,6 +146,21 @@ def test_the_record_is_keyed_by_the_artifacts_shape_and_the_backend_options(tmp_
     assert RecordFile.for_artifact(one, 3, "ort", {}) is None
 
 
+def test_new_native_kernels_start_a_new_record(tmp_path, monkeypatch) -> None:
+    """The kernels' costs are part of what the record measured: other kernel sources, another record (the
+    artifact's files unchanged); a backend without them is keyed as before."""
+    from plugins import ort_cpu
+
+    monkeypatch.setenv(ENV, str(tmp_path / "records"))
+    (tmp_path / "manifest.json").write_text('{"method": "eagle3"}')
+    (tmp_path / "model.onnx").write_bytes(b"x" * 10)
+    key = lambda backend: RecordFile.for_artifact(tmp_path, 3, backend, {}).path  # noqa: E731
+    before = key("ort"), key("trt")
+    monkeypatch.setattr(ort_cpu, "sources_digest", lambda: "other kernels")
+    assert key("ort") != before[0]
+    assert key("trt") == before[1]
+
+
 def test_an_llm_starts_from_the_record_and_leaves_what_it_learned(tiny_artifact, tmp_path, monkeypatch) -> None:
     """Through the public API: a record saying speculation loses (or pays) makes a fresh LLM run only
     target-only (or only speculative) steps, greedy tokens unchanged; the LLM rewrites it when idle."""
