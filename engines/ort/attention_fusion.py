@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from engines.ort.fusions import get_numpy_value, is_singleton_value
+from engines.ort.graph_edit import replace_values
 from engines.ort.lowering import NATIVE_DOMAIN, NATIVE_OP, NATIVE_ROWS_OP
 
 __all__ = ["FUSED_OP", "FUSED_ROWS_OP", "fuse"]
@@ -334,13 +335,4 @@ def _replace(graph: ir.Graph, attention: ir.Node, match: _Match, tables: set[ir.
     replaced = [(match.output, fused.outputs[0])]
     if match.delta is not None:
         replaced.append((match.delta, fused.outputs[1]))
-    for old, new in replaced:
-        new.shape, new.type = old.shape, old.type
-        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-    constants = {value for node in match.nodes for value in node.inputs if value is not None and value.is_initializer()}
-    graph.remove(match.nodes, safe=True)
-    for value in constants:                # the reshapes' target shapes (ORT warns of unread initializers)
-        if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
-            del graph.initializers[value.name]
-    for old, new in replaced:
-        new.name = old.name                # free once its node is gone
+    replace_values(graph, replaced, match.nodes)     # the reshapes' unread target shapes go too

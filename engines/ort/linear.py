@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engines.ort.lowering import replace_node
+from engines.ort.graph_edit import replace_node, replace_values, swiglu_parts
 from plugins import ort_cpu
 
 if TYPE_CHECKING:
@@ -72,10 +72,10 @@ def group(graph: ir.Graph) -> int:
     node computing silu(x Wg^T) * (x Wu^T), then the other single-weight ones of one layout and K (q, k, v;
     a drafter's siblings) into multi-output nodes of up to MAX_WEIGHTS weights. Returns how many nodes went."""
     before = len(graph)
-    for gate in [node for node in graph if _single(node)]:
-        if gate.graph is graph and (found := _swiglu(gate)) is not None:
-            up, removed, out = found
-            _merge(graph, [gate, up], [out], removed, {"swiglu": 1})
+    for mul in list(graph):
+        if mul.graph is graph and (found := _swiglu(mul)) is not None:
+            gate, up, removed = found
+            _merge(graph, [gate, up], [mul.outputs[0]], removed, {"swiglu": 1})
     siblings: dict[tuple[int, int, int], list[ir.Node]] = {}
     for node in graph:
         if _single(node) and not node.attributes.get_int("swiglu", 0):
@@ -98,33 +98,19 @@ def _sibling_key(node: ir.Node) -> tuple[int, int, int]:
     return id(node.inputs[0]), trans_b, node.inputs[1].shape[1 if trans_b else 0]
 
 
-def _sole_use(value: ir.Value) -> ir.Node | None:
-    users = {id(use.node): use.node for use in value.uses()}
-    return next(iter(users.values())) if len(users) == 1 and not value.is_graph_output() else None
-
-
-def _swiglu(gate: ir.Node) -> tuple[ir.Node, list[ir.Node], ir.Value] | None:
-    """(the up linear, the nodes the fused one replaces, its output) when `gate`'s output g is read only as
-    Mul(Mul(g, Sigmoid(g)), u) (either operand order) with u a PackedLinear of the same X and weight shape
-    that nothing else reads."""
-    g = gate.outputs[0]
-    users = {id(use.node): use.node for use in g.uses()}
-    sigmoid = next((n for n in users.values() if n.op_type == "Sigmoid"), None)
-    if g.is_graph_output() or len(users) != 2 or sigmoid is None or _sole_use(sigmoid.outputs[0]) is None:
+def _swiglu(mul: ir.Node) -> tuple[ir.Node, ir.Node, list[ir.Node]] | None:
+    """(the gate and up linears, the nodes the fused one replaces) when `mul` ends a SwiGLU
+    (graph_edit.swiglu_parts) whose G and U are PackedLinears of one X, layout and weight shape."""
+    parts = swiglu_parts(mul)
+    if parts is None:
         return None
-    silu = _sole_use(sigmoid.outputs[0])
-    if silu.op_type != "Mul" or {id(v) for v in silu.inputs} != {id(g), id(sigmoid.outputs[0])} or id(silu) not in users:
-        return None
-    times = _sole_use(silu.outputs[0])
-    if times is None or times.op_type != "Mul" or len(times.inputs) != 2:
-        return None
-    u = times.inputs[1] if times.inputs[0] is silu.outputs[0] else times.inputs[0]
-    up = u.producer()
-    if (up is None or up is gate or not _single(up) or _sole_use(u) is not times or up.inputs[0] is not gate.inputs[0]
+    gate, up = parts.gate.producer(), parts.up.producer()
+    if (gate is None or up is None or gate is up or not _single(gate) or not _single(up)
+            or up.inputs[0] is not gate.inputs[0]
             or up.attributes.get_int("trans_b", 1) != gate.attributes.get_int("trans_b", 1)
             or up.inputs[1].shape != gate.inputs[1].shape):
         return None
-    return up, [gate, sigmoid, silu, up, times], times.outputs[0]
+    return gate, up, [gate, *parts.nodes, up]
 
 
 def _merge(graph: ir.Graph, linears: list[ir.Node], outputs: list[ir.Value], removed: list[ir.Node],
@@ -138,12 +124,7 @@ def _merge(graph: ir.Graph, linears: list[ir.Node], outputs: list[ir.Value], rem
                      version=1, attributes={"trans_b": first.attributes.get_int("trans_b", 1), **attributes},
                      name=first.name, num_outputs=len(outputs))
     graph.insert_before(first, merged)
-    for new, was in zip(merged.outputs, outputs):
-        new.shape, new.type = was.shape, was.type
-        ir.convenience.replace_all_uses_with(was, new, replace_graph_outputs=True)
-    graph.remove(removed, safe=True)
-    for new, was in zip(merged.outputs, outputs):
-        new.name = was.name
+    replace_values(graph, list(zip(outputs, merged.outputs)), removed)
 
 
 def _layout(node: ir.Node) -> int | None:

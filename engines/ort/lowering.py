@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engines.ort.graph_edit import replace_node
 from plugins import ort_cpu
 from plugins.pool_axes import BLOCK, LAYER, OFFSET, WIDTH
 from runtime import manifest as io
@@ -110,19 +111,6 @@ def lower(model: ir.Model, reads: dict[str, PoolRead]) -> int:
     if lowered:
         model.opset_imports[NATIVE_DOMAIN] = 1
     return lowered
-
-
-def replace_node(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
-    """Put `new` in `old`'s place (both one output): inserted after it, its output taking over the old
-    output's uses (graph outputs too), shape, type and name."""
-    import onnx_ir as ir
-
-    graph.insert_after(old, new)
-    out, was = new.outputs[0], old.outputs[0]
-    out.shape, out.type = was.shape, was.type
-    ir.convenience.replace_all_uses_with(was, out, replace_graph_outputs=True)
-    graph.remove(old, safe=True)
-    out.name = was.name                             # the old value's name, free once its node is gone
 
 
 def _joined_rows(graph: ir.Graph, node: ir.Node, read: PoolRead, values: dict) -> list[ir.Value]:

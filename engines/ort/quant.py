@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engines.ort.lowering import replace_node
+from engines.ort.graph_edit import replace_node, replace_values, swiglu_parts
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -117,51 +117,33 @@ def fuse_swiglu(model: ir.Model, accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -
         found = _swiglu(node)
         if found is None:
             continue
-        members, silu = found
+        members, between = found
         first, nbits = _concatenated(model, members, accuracy_level)
         silu_mul = ir.node("SiluMul", inputs=[nbits.outputs[0]], domain=ort_cpu.DOMAIN, version=1,
                            name=f"{first.name}/silu_mul", num_outputs=1)
         model.graph.insert_before(first, [nbits, silu_mul])
-        sigmoid = next(use.node for use in members[0][0].outputs[0].uses() if use.node is not silu)
-        _rewire(model.graph, [(node.outputs[0], silu_mul.outputs[0])],
-                [node, silu, sigmoid, *(linear for linear, _, _ in members), *(dq for _, dq, _ in members)])
+        replace_values(model.graph, [(node.outputs[0], silu_mul.outputs[0])],
+                       [*between, *(linear for linear, _, _ in members), *(dq for _, dq, _ in members)])
         model.opset_imports[ort_cpu.DOMAIN] = 1
         fused += 1
     return fused
 
 
-def _swiglu(node: ir.Node) -> tuple[list[tuple[ir.Node, ir.Node, dict]], ir.Node] | None:
-    """([(gate MatMul, its DQ, attributes), (up ...)], the silu Mul) when `node` is the Mul of a SwiGLU that
-    fuse_swiglu takes."""
+def _swiglu(node: ir.Node) -> tuple[list[tuple[ir.Node, ir.Node, dict]], tuple[ir.Node, ...]] | None:
+    """([(gate MatMul, its DQ, attributes), (up ...)], the Sigmoid and two Muls between them and the output)
+    when `node` ends a SwiGLU (graph_edit.swiglu_parts) that fuse_swiglu takes."""
     import onnx_ir as ir
 
-    if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+    parts = swiglu_parts(node)
+    if parts is None:
         return None
-    for silu, up in (node.inputs, node.inputs[::-1]):
-        gate = _silu_input(silu)
-        if gate is None or up is None or up.is_graph_output() or len(up.uses()) != 1:
-            continue
-        members = [(value.producer(), *found) for value in (gate, up)
-                   if value.producer() is not None and (found := _dequantized_weight(value.producer())) is not None
-                   and len(found[0].outputs[0].uses()) == 1 and len(found[0].inputs[0].uses()) == 1]
-        if (len(members) == 2 and members[0][0].inputs[0] is members[1][0].inputs[0]
-                and members[0][0].inputs[0].dtype == ir.DataType.FLOAT          # SiluMul: float32 only
-                and all(members[0][2][key] == members[1][2][key] for key in ("K", "N", "bits", "block_size"))):
-            return members, silu.producer()
-    return None
-
-
-def _silu_input(silu: ir.Value | None) -> ir.Value | None:
-    """G when `silu` is `Mul(G, Sigmoid(G))` (either order) read once, and G and its Sigmoid are read by it alone."""
-    node = silu.producer() if silu is not None and len(silu.uses()) == 1 and not silu.is_graph_output() else None
-    if node is None or node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
-        return None
-    for gate, sigmoid in (node.inputs, node.inputs[::-1]):
-        producer = sigmoid.producer() if sigmoid is not None else None
-        if (producer is not None and producer.op_type == "Sigmoid" and producer.domain in ("", "ai.onnx")
-                and producer.inputs[0] is gate and len(sigmoid.uses()) == 1 and not sigmoid.is_graph_output()
-                and gate is not None and len(gate.uses()) == 2 and not gate.is_graph_output()):
-            return gate
+    members = [(value.producer(), *found) for value in (parts.gate, parts.up)
+               if value.producer() is not None and (found := _dequantized_weight(value.producer())) is not None
+               and len(found[0].outputs[0].uses()) == 1 and len(found[0].inputs[0].uses()) == 1]
+    if (len(members) == 2 and members[0][0].inputs[0] is members[1][0].inputs[0]
+            and members[0][0].inputs[0].dtype == ir.DataType.FLOAT          # SiluMul: float32 only
+            and all(members[0][2][key] == members[1][2][key] for key in ("K", "N", "bits", "block_size"))):
+        return members, parts.nodes
     return None
 
 
@@ -196,8 +178,8 @@ def _merge(model: ir.Model, members: list[tuple[ir.Node, ir.Node, dict]], accura
     split = ir.node("Split", inputs=[nbits.outputs[0], widths], attributes={"axis": -1},
                     name=f"{first.name}/split", num_outputs=len(members))
     graph.insert_before(first, [nbits, split])
-    _rewire(graph, [(node.outputs[0], new) for new, (node, _, _) in zip(split.outputs, members)],
-            [node for node, _, _ in members] + [dq for _, dq, _ in members])
+    replace_values(graph, [(node.outputs[0], new) for new, (node, _, _) in zip(split.outputs, members)],
+                   [node for node, _, _ in members] + [dq for _, dq, _ in members])
 
 
 def _concatenated(model: ir.Model, members: list[tuple[ir.Node, ir.Node, dict]],
@@ -221,24 +203,6 @@ def _concatenated(model: ir.Model, members: list[tuple[ir.Node, ir.Node, dict]],
                     name=f"{first.name}/grouped", num_outputs=1)
     model.opset_imports[DOMAIN] = 1
     return first, nbits
-
-
-def _rewire(graph: ir.Graph, pairs: list[tuple[ir.Value, ir.Value]], removed: list[ir.Node]) -> None:
-    """Every (old, new) of `pairs`: new takes old's readers, shape, type and name; then `removed` go, and the
-    initializers nothing reads any more."""
-    import onnx_ir as ir
-
-    for old, new in pairs:
-        new.shape, new.type = old.shape, old.type
-        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-    read = [value for node in removed for value in node.inputs                # removing a node detaches its inputs
-            if value is not None and value.is_initializer()]
-    graph.remove(removed, safe=True)
-    for old, new in pairs:
-        new.name = old.name
-    for value in read:
-        if not value.uses() and not value.is_graph_output():
-            graph.initializers.pop(value.name, None)
 
 
 def _bypass_scale_identities(graph: ir.Graph) -> None:
