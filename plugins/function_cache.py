@@ -4,8 +4,8 @@ Why: exporting a torch reference to a FunctionProto runs torch.export and the ON
 reference; for a bundled pair that was about two thirds of an export's time (measured with cProfile on the
 tiny Llama 3 `none` export: 232 s of 359 s on a loaded 2-core machine), and it is the same work every time.
 
-The key is everything the function depends on: the op, its attribute values and input dtypes, the opset, the
-source of every module under plugins/ (the references and this exporter), and the versions of torch, onnx,
+The key is everything the function depends on: the op and which of its torch references is exported, its
+attribute values and input dtypes, the opset, the source of every module under plugins/ (the references and this exporter), and the versions of torch, onnx,
 onnxscript and onnx_ir. An entry is written to a temporary name and renamed, so a reader never sees half a
 file; one that does not parse is ignored and rewritten. A cache that cannot be written costs only the time.
 """
@@ -46,9 +46,11 @@ def _fingerprint() -> str:
     return digest.hexdigest()
 
 
-def key(op_type: str, attributes: Mapping[str, Any], dtypes: tuple[Any, ...], opset: int) -> str:
-    """The file name an entry is stored under: a hash of what the function depends on."""
-    what = repr((op_type, sorted(attributes.items()), [getattr(d, "name", d) for d in dtypes], opset))
+def key(op_type: str, attributes: Mapping[str, Any], dtypes: tuple[Any, ...], opset: int, reference: str = "") -> str:
+    """The file name an entry is stored under: a hash of what the function depends on. `reference` names the
+    torch function exported: one op can have several (SpecAccept's flat one for model.onnx and its lazy one for
+    model.ort.onnx), and one must never be read back for the other."""
+    what = repr((op_type, reference, sorted(attributes.items()), [getattr(d, "name", d) for d in dtypes], opset))
     return f"{op_type}-{hashlib.sha256((_fingerprint() + what).encode()).hexdigest()[:32]}.pb"
 
 

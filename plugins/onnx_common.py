@@ -25,6 +25,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar, Union
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxscript
@@ -86,6 +87,9 @@ class PluginSpec:
     type_constraints: Mapping[str, tuple[str, ...]]
     example_inputs: Callable[[Mapping[str, Any]], tuple[torch.Tensor, ...]]
     doc: str = ""
+    # a node's attributes -> those its reference function is traced and named at (None: its own); nodes whose
+    # attributes differ only in the size of a dynamic axis then share one function and one trace
+    traced_at: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
 
     def attribute_types(self) -> dict[str, type]:
         """The reference's keyword-only parameters: name -> float | int | bool."""
@@ -133,6 +137,8 @@ def attach_functions_ir(model: ir.Model, specs: Mapping[str, PluginSpec]) -> ir.
             raise ValueError(f"node {node.name!r} is {DOMAIN}::{node.op_type}, which no plugin defines; "
                              f"known ops: {sorted(specs)}")
         attributes = _node_attributes(node, spec)
+        if spec.traced_at is not None:
+            attributes = spec.traced_at(attributes)
         dtypes = _node_dtypes(node, spec)
         node.overload = overload_name(attributes, dtypes)
         key = (DOMAIN, spec.op_type, node.overload)
@@ -177,6 +183,8 @@ def _node_attributes(node: ir.Node, spec: PluginSpec) -> dict[str, Any]:
     for name, kind in spec.attribute_types().items():
         if name in node.attributes:
             values[name] = kind(node.attributes[name].value)
+            if kind is float:   # as ONNX stores it: a double in memory and its float32 read back are one function
+                values[name] = float(np.float32(values[name]))
         elif name in defaults:
             values[name] = defaults[name]
         else:
@@ -222,7 +230,8 @@ def _reference_function(spec: PluginSpec, attributes: tuple[tuple[str, Any], ...
         model = export_reference(spec, dict(attributes), dtypes, opset)
         return graph_to_function(model, spec.op_type, overload_name(dict(attributes), dtypes))
 
-    return function_cache.cached(function_cache.key(spec.op_type, dict(attributes), dtypes, opset), make)
+    reference = f"{spec.reference.__module__}.{spec.reference.__qualname__}"
+    return function_cache.cached(function_cache.key(spec.op_type, dict(attributes), dtypes, opset, reference), make)
 
 
 class _Bound(torch.nn.Module):

@@ -9,8 +9,8 @@ the exported graphs (through this op and export/step/spec_glue.py) and every tes
 Randomness is always an input (`noise [B, K+1, NOISE_CHANNELS]`), drawn on the host by runtime/noise.py.
 
 Facts the op's users rely on:
-- `num_drafts` is an attribute, static per node: each K gets a reference function traced at that K
-  (ONNX Runtime mishandles some ops on the empty axes of a K = 0 graph traced at another K).
+- `num_drafts` is an attribute, static per node; the reference reads K from its inputs' shapes only, so
+  one function traced at K = 2 serves every K >= 2, and K = 0 and 1 get their own (onnx.py traced_at).
 - The bitmask is always present in exported graphs: a graph without structured output feeds an in-graph
   all-allowed mask (TensorRT plugins take no optional inputs); a mask that allows nothing is ignored.
 - `draft_probs` (the q each draft was sampled from) is present in every exported step graph: graphs with

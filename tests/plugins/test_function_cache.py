@@ -57,3 +57,30 @@ def test_the_key_changes_with_everything_the_function_depends_on(monkeypatch: py
     monkeypatch.setattr(function_cache, "_fingerprint", lambda: "another plugins/ source")
     others.add(function_cache.key("PagedAttention", {"scale": 0.125, "causal": True}, ("FLOAT",), 24))
     assert base not in others and len(others) == 5
+
+
+def _doubled_moe(*inputs, **attributes):
+    """Another torch reference for the same op: its function computes something else."""
+    from plugins.moe.reference import moe
+
+    return moe(*inputs, **attributes) * 2
+
+
+def test_two_references_of_one_op_never_read_each_others_entry(cache: Path) -> None:
+    """SpecAccept has a flat reference (model.onnx, which TensorRT builds) and a lazy one with Ifs (model.ort.onnx):
+    keyed by op, attributes and dtypes alone, whichever was exported first was read back for the other."""
+    import dataclasses
+
+    import onnx_ir as ir
+
+    from plugins.moe.onnx import SPEC
+    from plugins.onnx_common import reference_function
+
+    attributes = {"num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+                  "routed_scaling_factor": 2.5}
+    dtypes = (ir.DataType.FLOAT,) * len(SPEC.inputs)
+    plain = reference_function(SPEC, attributes, dtypes)
+    doubled = reference_function(dataclasses.replace(SPEC, reference=_doubled_moe), attributes, dtypes)
+    assert len(list(cache.iterdir())) == 2
+    assert len(doubled.node) > len(plain.node)
+    assert function_cache.key("Op", {}, (), 24, "a.flat") != function_cache.key("Op", {}, (), 24, "a.lazy")

@@ -100,3 +100,18 @@ def test_bad_nodes_fail_with_one_line_errors() -> None:
 def test_custom_op_schemas_are_what_the_plugins_declare() -> None:
     schema = torch.ops.unispec.paged_mla.default._schema
     assert [a.name for a in schema.arguments if a.kwarg_only] == ["scale", "kv_lora_rank"]
+
+
+def test_a_float_attribute_names_one_function_whether_read_as_double_or_float32() -> None:
+    """The exporter's in-memory node holds a float attribute as a double, a node read back from a file as its
+    float32: PagedMLA's scale 0.2646422579642267 and 0.26464226841926575 made two functions of one op."""
+    from plugins.onnx_common import _node_attributes
+    from plugins.paged_mla.onnx import SPEC
+
+    def node(scale: float) -> ir.Node:
+        return ir.Node(DOMAIN, "PagedMLA", [], attributes=[ir.AttrFloat32("scale", scale),
+                                                         ir.AttrInt64("kv_lora_rank", 16)])
+
+    double, single = 64 ** -0.5 * 1.0586, float(np.float32(64 ** -0.5 * 1.0586))
+    assert double != single
+    assert _node_attributes(node(double), SPEC) == _node_attributes(node(single), SPEC)

@@ -105,6 +105,21 @@ def test_onnx_runtime_gives_the_same_tokens(exported, inputs) -> None:
     assert (got[4] > 0).any(), "... by rejection sampling too"
 
 
+def test_every_k_from_two_shares_the_function_traced_at_two(exported, tmp_path) -> None:
+    """A K = 5 graph's nodes keep num_drafts = 5 and call the K = 2 graph's functions (no trace of their own),
+    and ONNX Runtime runs them at K = 5 with torch's tokens."""
+    from plugins.spec_accept.onnx import traced_at
+
+    assert [traced_at({"num_drafts": k})["num_drafts"] for k in (0, 1, 2, 3, 7)] == [0, 1, 2, 2, 2]
+    two, _ = exported
+    five = export_with_plugins(Verdicts(5), LARGE, tmp_path / "k5.onnx")
+    assert {attributes(n)["num_drafts"] for n in unispec_nodes(five)} == {5}
+    assert [n.overload for n in unispec_nodes(five)] == [n.overload for n in unispec_nodes(two)]
+    assert [f.SerializeToString() for f in five.functions] == [f.SerializeToString() for f in two.functions]
+    got = assert_ort_matches(session(tmp_path / "k5.onnx"), Verdicts(5), LARGE)
+    assert (got[0] > 0).any()
+
+
 @pytest.mark.slow      # 23 s; every `none` artifact of the fast suite runs the K = 0 function too
 def test_k_zero_gets_its_own_function_and_runs_in_onnx_runtime(tmp_path) -> None:
     """Plain decoding (K = 0): the function is traced at K = 0; ONNX Runtime mishandles empty axes otherwise."""
