@@ -35,7 +35,16 @@ def _pool_readers(graph: onnx.GraphProto, pool: str) -> list[tuple[onnx.NodeProt
     return found
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# Fast: each attention kind and drafter kind once (GQA, MLA, Gemma's sliding and single-row reads; Eagle3's,
+# DFlash's and MTP's draft pools). DeepSeek's NextN (an MLA layer, as MTP) and Eagle3 / Eagle3-MHA heads (paged
+# attention, as Llama 3's Eagle3) are read by the same kernels: `slow` (an export each, ~25 s on 2 cores, that
+# no other fast test needs).
+FAST = ("llama3-none", "llama3-eagle3", "llama3-dflash", "deepseek-v3-none", "deepseek-v3-mtp", "gemma4-none",
+        "gemma4-gemma4-mtp")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c, marks=[] if c in FAST else [pytest.mark.slow])
+                                  for c in sorted(CASES)])
 def test_the_pools_are_read_in_place(tiny_artifact, case: str) -> None:
     art = tiny_artifact(case)
     graph = onnx.load(str(art.path / io.ORT_MODEL_NAME), load_external_data=False).graph
