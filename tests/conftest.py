@@ -32,7 +32,32 @@ def _has_tensorrt_rtx() -> bool:
     return importlib.util.find_spec("tensorrt_rtx") is not None
 
 
-LONG_FIRST = ("tests/test_readme_examples.py",)
+# Files whose fixtures export or build for tens of seconds, longest first (the census of a cold `make test`):
+# they start first, and the many short files fill in beside them instead of one long file ending the run.
+LONG_FIRST = ("tests/unispec/test_serve.py", "tests/export/test_artifact.py", "tests/runtime/test_llm.py",
+              "tests/test_readme_examples.py", "tests/plugins/spec_accept/test_onnx.py",
+              "tests/plugins/spec_accept/test_op.py", "tests/test_packaging.py", "tests/runtime/test_in_place_reads.py",
+              "tests/engines/ort/test_attention_fusion.py")
+# Files that read one session-shared export run on one worker, one after the other: split over two workers, one
+# of them waited idle while the other exported (77 s for the served DFlash artifact).
+SAME_WORKER = {"tests/unispec/test_serve_hostile.py": "tests/unispec/test_serve.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadfile` with SAME_WORKER's files as one unit, handed out in collection order (LONG_FIRST first)
+    rather than xdist's default of the files with the most tests first."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SAME_WORKER.get(scope, scope)
+
+    config.option.loadscopereorder = False
+    return Scheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -42,9 +67,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         "trt_build": (None if _has_tensorrt_rtx() else
                       "needs TensorRT-RTX; pip install -e '.[trt-rtx]' (CPU-only engine builds)"),
     }
-    # the longest file (the README's examples: an export, a server, an engine build) starts first, so that
-    # under `-n auto --dist loadfile` it runs beside the rest instead of after it
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONG_FIRST)
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::")[0]
+        path = SAME_WORKER.get(path, path)
+        return LONG_FIRST.index(path) if path in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)
     for item in items:
         for marker, reason in skips.items():
             if reason and marker in item.keywords:
