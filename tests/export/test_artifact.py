@@ -31,21 +31,10 @@ from plugins.spec_accept.acceptance import NOISE_CHANNELS
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ExportError
 from runtime.manifest import Manifest
+from tests.export.artifact_files import THINK_END, THINK_START, add_tokenizer_files, largest_inline_tensor
 from unispec.exporting import export_model
 
 K = 2
-THINK_START, THINK_END = 300, 301
-
-
-def add_tokenizer_files(target: Path) -> None:
-    """What a real checkpoint ships next to its weights (the tiny writer writes none)."""
-    added = [{"id": THINK_START, "content": "<think>", "special": True},
-             {"id": THINK_END, "content": "</think>", "special": True}]
-    (target / "tokenizer.json").write_text(json.dumps({"version": "1.0", "added_tokens": added}))
-    (target / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
-    (target / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 7]}))
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     written = write_tiny(family="llama3", method="eagle3", out_dir=tmp_path_factory.mktemp("tiny"), seed=0)
@@ -367,7 +356,7 @@ def test_the_ort_graph_is_inlined_smaller_and_shares_the_weights_file(artifacts:
                  if entry.key == "location"}
     assert locations == {io.WEIGHTS_NAME}
     # no weight copied into it: every tensor it holds inline, subgraphs included, is a small constant
-    assert _largest_inline_tensor(ort_graph.graph) < EXTERNAL_MIN_BYTES
+    assert largest_inline_tensor(ort_graph.graph) < EXTERNAL_MIN_BYTES
     # SpecAccept's lazy body: the bitmask's unpacking (Mod) and the relaxed verdict's float64 softmax run
     # only inside Ifs, which model.onnx's flat body (TensorRT cannot build those Ifs) runs every step
     flat = [f for f in full.functions if f.name == "SpecAccept"]
@@ -379,17 +368,6 @@ def test_the_ort_graph_is_inlined_smaller_and_shares_the_weights_file(artifacts:
     exported = Counter(n.op_type for n in full.graph.node if n.op_type in ("SpecAccept", "SampleDraft"))
     assert native["SpecAccept"] == exported["SpecAccept"] == 1
     assert native["SampleDraft"] == exported["SampleDraft"] == Manifest.load(path).num_speculative_tokens
-
-
-def _largest_inline_tensor(graph: onnx.GraphProto) -> int:
-    sizes = [len(t.raw_data) for t in graph.initializer if not t.external_data]
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                sizes.append(_largest_inline_tensor(attribute.g))
-            elif attribute.type == onnx.AttributeProto.TENSOR:
-                sizes.append(len(attribute.t.raw_data))
-    return max(sizes, default=0)
 
 
 def test_the_target_only_graph_is_the_none_graph_over_the_same_weights(artifacts: dict[str, Path]) -> None:
