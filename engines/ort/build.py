@@ -57,14 +57,15 @@ def lower_graph(directory: Path, name: str, source: str = io.MODEL_NAME) -> None
     row is thinking), or, for float32 logits, it and SampleDraft run native kernels (sampling.py).
     Attention that reads a float32 pool first becomes unispec's in-place CPU kernel (lowering.py), RoPE and
     a few reshaping round trips are fused (fusions.py), then each layer's RoPE, head reshapes, KV delta row and
-    that attention become one node (attention_fusion.py), and the linear layers run unispec's packed GEMM
+    that attention become one node (attention_fusion.py), so do the log-probability outputs (logprobs.py),
+    and the linear layers run unispec's packed GEMM
     (linear.py) or, quantized, MLAS's MatMulNBits (quant.py)."""
     import onnx
     import onnx_ir as ir
     import onnxscript.optimizer
 
     import plugins
-    from engines.ort import attention_fusion, fusions, linear, lowering, quant, sampling
+    from engines.ort import attention_fusion, fusions, linear, logprobs, lowering, quant, sampling
 
     model = ir.load(directory / source)
     sampling.lower(model)
@@ -74,6 +75,7 @@ def lower_graph(directory: Path, name: str, source: str = io.MODEL_NAME) -> None
     with _quiet(), fast_rules():
         onnxscript.optimizer.optimize_ir(model)
     attention_fusion.fuse(model)    # a layer's RoPE, head views, delta row and attention: one node
+    logprobs.fuse(model)            # the log-probability outputs: one node
     quant.lower(model)          # DQ + MatMul that ONNX Runtime would not fuse into MatMulNBits itself
     linear.lower(model)
     _replace(directory / name, lambda tmp: ir.save(model, tmp))

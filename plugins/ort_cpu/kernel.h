@@ -108,5 +108,6 @@ const OrtCustomOp* sample_draft_op();                     // spec_accept.cc
 const OrtCustomOp* packed_linear_op();                    // matmul.cc
 const OrtCustomOp* paged_attention_rope_op(bool with_rows);  // paged_attention_rope.cc
 const OrtCustomOp* silu_mul_op();                         // silu_mul.cc
+const OrtCustomOp* token_logprobs_op();                   // token_logprobs.cc
 
 }  // namespace unispec_cpu
