@@ -183,8 +183,8 @@ def _node_attributes(node: ir.Node, spec: PluginSpec) -> dict[str, Any]:
     for name, kind in spec.attribute_types().items():
         if name in node.attributes:
             values[name] = kind(node.attributes[name].value)
-            if kind is float:   # as ONNX stores it: a double in memory and its float32 read back are one function
-                values[name] = float(np.float32(values[name]))
+            if kind is float:   # as ONNX stores it (float32, shortest repr): a double in memory and its
+                values[name] = float(str(np.float32(values[name])))  # float32 read back are one function
         elif name in defaults:
             values[name] = defaults[name]
         else:

@@ -30,6 +30,7 @@ Noise `[B, K+1, NOISE_CHANNELS]` holds uniforms in [0, 1) from each request's ow
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -134,7 +135,7 @@ def verify(
             return torch.zeros_like(drafts, dtype=torch.bool)
 
         relaxed_operands = (logits[:, :num_drafts], drafts)
-        relaxed = (torch.cond(thinking.any(), relaxed_rows, no_rows, relaxed_operands) if lazy
+        relaxed = (cond(thinking.any(), relaxed_rows, no_rows, relaxed_operands) if lazy
                    else relaxed_rows(*relaxed_operands))                            # [B, K]
         accepted = accepted | (thinking & relaxed)
 
@@ -161,7 +162,7 @@ def _masked(logits: torch.Tensor, token_bitmask: torch.Tensor) -> torch.Tensor:
 
     # the constant is made out here: a tensor created inside a branch does not trace
     operands = (logits, token_bitmask, bit_powers(logits.device))
-    return torch.cond((token_bitmask != -1).any(), unpack, allowed, operands)
+    return cond((token_bitmask != -1).any(), unpack, allowed, operands)
 
 
 def _plain_decoding(logits: torch.Tensor, temperature: torch.Tensor, params: list[torch.Tensor],
@@ -213,11 +214,21 @@ def _when_sampled(
     def exact(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return sampled_fn(*args, ranking="exact")
 
-    *plain_out, _ = torch.cond(some_sampled & ~ranks, plain, greedy_fn, operands)
-    *candidate_out, complete = torch.cond(some_sampled & ranks, candidates, greedy_fn, operands)
-    *exact_out, _ = torch.cond(some_sampled & ranks & ~complete, exact, greedy_fn, operands)
+    *plain_out, _ = cond(some_sampled & ~ranks, plain, greedy_fn, operands)
+    *candidate_out, complete = cond(some_sampled & ranks, candidates, greedy_fn, operands)
+    *exact_out, _ = cond(some_sampled & ranks & ~complete, exact, greedy_fn, operands)
     ranked_out = [_select(complete, a, b) for a, b in zip(candidate_out, exact_out)]
     return tuple(_select(ranks, a, b) for a, b in zip(ranked_out, plain_out))
+
+
+def cond(pred: torch.Tensor, true_fn: Callable[..., Any], false_fn: Callable[..., Any],
+         operands: tuple[torch.Tensor, ...]) -> Any:
+    """torch.cond while torch traces (torch.export, torch.compile), which becomes an ONNX If; the taken branch
+    itself in eager code, where torch.cond compiles both branches with dynamo for every new shape (2-5 s a
+    call: the eager references and the torch backend spent most of their time there)."""
+    if torch.compiler.is_compiling():
+        return torch.cond(pred, true_fn, false_fn, operands)
+    return (true_fn if bool(pred) else false_fn)(*operands)
 
 
 def _select(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -363,4 +374,4 @@ def choose_drafts(
 
     # Greedy rows take the drafter's argmax inside the branch: selected after the If, the token became a
     # phi node that TensorRT-RTX 1.7's Myelin failed on (eagle3-mha, MyelinCheckException in ssa.cpp).
-    return torch.cond((~greedy).any(), some_sampled, all_greedy, (logits, argmax, uniform, *params))
+    return cond((~greedy).any(), some_sampled, all_greedy, (logits, argmax, uniform, *params))
