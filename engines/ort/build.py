@@ -57,7 +57,8 @@ def lower_graph(directory: Path, name: str, source: str = io.MODEL_NAME) -> None
     row is thinking), or, for float32 logits, it and SampleDraft run native kernels (sampling.py).
     Attention that reads a float32 pool first becomes unispec's in-place CPU kernel (lowering.py), RoPE and
     a few reshaping round trips are fused (fusions.py), then each layer's RoPE, head reshapes, KV delta row and
-    that attention become one node (attention_fusion.py), so do the log-probability outputs (logprobs.py),
+    that attention become one node (attention_fusion.py), so do the log-probability outputs (logprobs.py)
+    and the merge of a step's tokens with its drafts (merge.py),
     and the linear layers run unispec's packed GEMM
     (linear.py) or, quantized, MLAS's MatMulNBits (quant.py)."""
     import onnx
@@ -65,7 +66,7 @@ def lower_graph(directory: Path, name: str, source: str = io.MODEL_NAME) -> None
     import onnxscript.optimizer
 
     import plugins
-    from engines.ort import attention_fusion, fusions, linear, logprobs, lowering, quant, sampling
+    from engines.ort import attention_fusion, fusions, linear, logprobs, lowering, merge, quant, sampling
 
     model = ir.load(directory / source)
     sampling.lower(model)
@@ -76,6 +77,7 @@ def lower_graph(directory: Path, name: str, source: str = io.MODEL_NAME) -> None
         onnxscript.optimizer.optimize_ir(model)
     attention_fusion.fuse(model)    # a layer's RoPE, head views, delta row and attention: one node
     logprobs.fuse(model)            # the log-probability outputs: one node
+    merge.fuse(model)               # the merge of a step's tokens with its drafts: one node
     quant.lower(model)          # DQ + MatMul that ONNX Runtime would not fuse into MatMulNBits itself
     linear.lower(model)
     _replace(directory / name, lambda tmp: ir.save(model, tmp))

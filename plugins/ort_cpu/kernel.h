@@ -109,5 +109,6 @@ const OrtCustomOp* packed_linear_op();                    // matmul.cc
 const OrtCustomOp* paged_attention_rope_op(bool with_rows);  // paged_attention_rope.cc
 const OrtCustomOp* silu_mul_op();                         // silu_mul.cc
 const OrtCustomOp* token_logprobs_op();                   // token_logprobs.cc
+const OrtCustomOp* merge_drafts_op();                     // merge_drafts.cc
 
 }  // namespace unispec_cpu
