@@ -79,7 +79,9 @@ def replay_session(backend: Any, graph: str, feeds: dict[str, np.ndarray]) -> fl
     return 1e3 * (time.perf_counter() - started)
 
 
-def one_pass(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
+def recorded_pass(llm: Any, prompts: list[list[int]], params: Any) -> Any:
+    """One generate per prompt, every graph call timed and its feeds kept (a Recorder); the backend's own
+    methods again afterwards."""
     backend = llm.backend
     recorder = Recorder(backend)
     try:
@@ -88,6 +90,12 @@ def one_pass(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
     finally:
         for name in recorder._originals:
             delattr(backend, name)                 # the class's methods again
+    return recorder
+
+
+def one_pass(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
+    backend = llm.backend
+    recorder = recorded_pass(llm, prompts, params)
     decode = [c for c in recorder.calls if c["decode"]]
     prefill = [c for c in recorder.calls if not c["decode"]]
     bound = [replay_bound(backend, c["graph"], c["feeds"]) for c in decode]
@@ -108,13 +116,7 @@ def profile(artifact: Path, llm: Any, prompts: list[list[int]], params: Any, out
     from plugins import ort_cpu
 
     backend = llm.backend
-    recorder = Recorder(backend)
-    try:
-        for prompt in prompts:
-            llm.generate([prompt], params)
-    finally:
-        for name in recorder._originals:
-            delattr(backend, name)
+    recorder = recorded_pass(llm, prompts, params)
     for graph, g in (("run", backend._main), ("run_target_only", backend._target_only)):
         calls = [c for c in recorder.calls if c["decode"] and c["graph"] == graph]
         if not calls:

@@ -5,26 +5,20 @@ rank and token exactly), and look-alikes it would get wrong keep their nodes."""
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 
 from engines.ort import logprobs
-from engines.ort.build import lower_graph
 from plugins import ort_cpu
 from runtime import manifest as io
-from tests.runtime.test_engine import Recorder, _backend, run_engine
+from tests.engines.ort.pass_harness import lowered_without, op_counts, replayed
 
 CASES = ("llama3-dflash", "llama3-eagle3")
-STEPS = (0, 3, 6, 12)                  # prefill chunks, a join, decode / verify steps
 GRAPHS = ("model.onnx", "target_only.onnx")
 
 
@@ -36,28 +30,17 @@ def graphs_of(tiny_artifact, tmp_path_factory) -> Callable[[str, str], dict[str,
     def graphs(case: str, portable: str) -> dict[str, Path]:
         if (case, portable) not in lowered:
             art = tiny_artifact(case)
-            plain = tmp_path_factory.mktemp("plain")
-            for name in os.listdir(art.path):
-                if name.startswith(GRAPHS) and ".ort." not in name:   # the portable graphs and their weights
-                    shutil.copy(art.path / name, plain / name)
-            name = portable.replace(".onnx", ".ort.onnx")
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(logprobs, "fuse", lambda model: 0)
-                lower_graph(plain, name, source=portable)
-            lowered[case, portable] = {"fused": art.path / name, "plain": plain / name}
+            plain = lowered_without(logprobs, art.path, tmp_path_factory.mktemp("plain"), portable)
+            lowered[case, portable] = {"fused": art.path / plain.name, "plain": plain}
         return lowered[case, portable]
     return graphs
-
-
-def _ops(path: Path) -> Counter:
-    return Counter(node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node)
 
 
 @pytest.mark.parametrize("portable", GRAPHS)
 @pytest.mark.parametrize("case", CASES)
 def test_the_logprob_outputs_become_one_node(graphs_of, case: str, portable: str) -> None:
     paths = graphs_of(case, portable)
-    fused, plain = _ops(paths["fused"]), _ops(paths["plain"])
+    fused, plain = op_counts(paths["fused"]), op_counts(paths["plain"])
     assert plain["LogSoftmax"] == plain["TopK"] == 1 and plain[logprobs.FUSED_OP] == 0
     assert fused[logprobs.FUSED_OP] == 1 and fused["LogSoftmax"] == fused["TopK"] == fused["GatherElements"] == 0
     assert sum(plain.values()) - sum(fused.values()) >= 12
@@ -70,18 +53,7 @@ def test_the_logprob_outputs_become_one_node(graphs_of, case: str, portable: str
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("case", CASES)
 def test_fused_graph_computes_what_the_unfused_one_does(graphs_of, tiny_artifact, case: str, sampled: bool) -> None:
-    recorder = Recorder(_backend(tiny_artifact(case)), STEPS)        # runs the artifact's (fused) graph
-    run_engine(recorder, sampled=sampled)
-    assert len(recorder.records) == len(STEPS)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.register_custom_ops_library(str(ort_cpu.library_path()))
-    plain = ort.InferenceSession(str(graphs_of(case, "model.onnx")["plain"]), options,
-                                 providers=["CPUExecutionProvider"])
-    names = [o.name for o in plain.get_outputs()]
-    for feeds, pools, outputs in recorder.records:
-        wanted = {i.name for i in plain.get_inputs()}
-        got = dict(zip(names, plain.run(None, {n: v for n, v in {**feeds, **pools}.items() if n in wanted})))
+    for outputs, got in replayed(tiny_artifact(case), graphs_of(case, "model.onnx")["plain"], sampled=sampled):
         assert set(got) == set(outputs) >= set(io.LOGPROB_OUTPUTS)
         for name, value in outputs.items():
             if value.dtype.kind in "iub":

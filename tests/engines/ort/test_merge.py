@@ -5,26 +5,18 @@ nodes."""
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 
 from engines.ort import merge
-from engines.ort.build import lower_graph
-from plugins import ort_cpu
 from runtime import manifest as io
-from tests.runtime.test_engine import Recorder, _backend, run_engine
+from tests.engines.ort.pass_harness import lowered_without, op_counts, replayed
 
 CASES = ("llama3-dflash", "llama3-eagle3")
-STEPS = (0, 3, 6, 12)                  # prefill chunks, a join, decode / verify steps
 
 
 @pytest.fixture(scope="module")
@@ -34,25 +26,15 @@ def plain_of(tiny_artifact, tmp_path_factory) -> Callable[[str], Path]:
 
     def plain(case: str) -> Path:
         if case not in lowered:
-            art, folder = tiny_artifact(case), tmp_path_factory.mktemp("plain")
-            for name in os.listdir(art.path):
-                if name.startswith(io.MODEL_NAME) and ".ort." not in name:   # model.onnx and its weights
-                    shutil.copy(art.path / name, folder / name)
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(merge, "fuse", lambda model: 0)
-                lower_graph(folder, "model.ort.onnx", source=io.MODEL_NAME)
-            lowered[case] = folder / "model.ort.onnx"
+            lowered[case] = lowered_without(merge, tiny_artifact(case).path, tmp_path_factory.mktemp("plain"),
+                                            io.MODEL_NAME)
         return lowered[case]
     return plain
 
 
-def _ops(path: Path) -> Counter:
-    return Counter(node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node)
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_the_merge_becomes_one_node(plain_of, tiny_artifact, case: str) -> None:
-    fused, plain = _ops(tiny_artifact(case).path / "model.ort.onnx"), _ops(plain_of(case))
+    fused, plain = op_counts(tiny_artifact(case).path / "model.ort.onnx"), op_counts(plain_of(case))
     assert fused[merge.FUSED_OP] == 1 and plain[merge.FUSED_OP] == 0
     assert sum(plain.values()) - sum(fused.values()) >= 30
     assert plain["GatherND"] - fused["GatherND"] >= 6 and plain["ReduceSum"] - fused["ReduceSum"] == 1
@@ -67,17 +49,7 @@ def test_target_only_graphs_keep_their_nodes(tiny_artifact) -> None:
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("case", CASES)
 def test_fused_graph_computes_what_the_unfused_one_does(plain_of, tiny_artifact, case: str, sampled: bool) -> None:
-    recorder = Recorder(_backend(tiny_artifact(case)), STEPS)        # runs the artifact's (fused) graph
-    run_engine(recorder, sampled=sampled)
-    assert len(recorder.records) == len(STEPS)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.register_custom_ops_library(str(ort_cpu.library_path()))
-    plain = ort.InferenceSession(str(plain_of(case)), options, providers=["CPUExecutionProvider"])
-    names = [o.name for o in plain.get_outputs()]
-    wanted = {i.name for i in plain.get_inputs()}
-    for feeds, pools, outputs in recorder.records:
-        got = dict(zip(names, plain.run(None, {n: v for n, v in {**feeds, **pools}.items() if n in wanted})))
+    for outputs, got in replayed(tiny_artifact(case), plain_of(case), sampled=sampled):
         assert set(got) == set(outputs)
         for name, value in outputs.items():      # the same kernels after the merge: bit-identical
             assert value.dtype == got[name].dtype and np.array_equal(value, got[name]), name
