@@ -263,9 +263,12 @@ class SpeculationPolicy:
         self.prior[sampled] = (self._seen_sum[sampled] + missing * self._fill[sampled][0]) / (len(seen) + missing)
 
     def _missing(self, sampled: bool) -> int:
-        """Row-steps of the window the fill value still stands for: PRIOR_WEIGHT of K, or as many as the
-        record's mean stood for (the window then spans engines)."""
-        return max(0, max(int(PRIOR_WEIGHT), min(self._fill[sampled][1], PRIOR_WINDOW)) - len(self._seen[sampled]))
+        """Row-steps of the window the fill value still stands for: K for PRIOR_WEIGHT, fewer as this engine
+        sees its own; the record's mean for the row-steps it stood for, which come before this engine's in a
+        window that spans engines (so a record grows over short-lived engines up to PRIOR_WINDOW, instead of
+        each one's few row-steps taking the place of as many earlier ones)."""
+        seen, stood_for = len(self._seen[sampled]), self._fill[sampled][1]
+        return max(0, int(PRIOR_WEIGHT) - seen, min(stood_for, PRIOR_WINDOW - seen))
 
 
 def lower_quartile(values: Sequence[float]) -> float:

@@ -80,11 +80,19 @@ def test_what_an_engine_measured_is_blended_into_the_record() -> None:
 
 
 def test_the_recorded_acceptance_stands_for_as_many_steps_as_it_was_seen() -> None:
+    """The window spans engines: a short-lived engine's row-steps come after the record's, so the record grows
+    (it stayed at its first engine's few row-steps, and each later engine's handful, one hard prompt's,
+    weighed as much as all before it: Llama 3 + DFlash greedy stuck target-only on a mean of 0.6 over 15)."""
     policy = sp.SpeculationPolicy("auto", k=3, has_target_only=True, known=CostRecord({}, {False: (1.0, 100)}))
     assert policy.expected_accepted(_row()) == 1.0                         # not K: the record's mean
     policy.record(SPEC, [], 1e-3, False, [(_row(), 3)] * 4)                # one easy request's 4 steps
-    assert policy.prior[False] == pytest.approx((96 * 1.0 + 4 * 3) / 100)  # moves by 4 of 100, not 4 of 12
-    assert policy.learned().accepted[False] == (policy.prior[False], 100)
+    assert policy.prior[False] == pytest.approx((100 * 1.0 + 4 * 3) / 104)  # 4 more of 104, not 4 of 12
+    assert policy.learned().accepted[False] == (policy.prior[False], 104)
+    full = sp.SpeculationPolicy("auto", k=3, has_target_only=True,
+                                known=CostRecord({}, {False: (1.0, sp.PRIOR_WINDOW)}))
+    full.record(SPEC, [], 1e-3, False, [(_row(), 3)] * 4)                  # the window is full: the oldest go
+    assert full.prior[False] == pytest.approx(((sp.PRIOR_WINDOW - 4) * 1.0 + 4 * 3) / sp.PRIOR_WINDOW)
+    assert full.learned().accepted[False] == (full.prior[False], sp.PRIOR_WINDOW)
 
 
 def test_a_recorded_choice_is_probed_late_and_even_when_it_looks_hopeless() -> None:
