@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from engines.ort.fusions import get_numpy_value, is_singleton_value
-from engines.ort.graph_edit import replace_values
+from engines.ort.graph_edit import ONNX_DOMAINS, replace_values
 from engines.ort.lowering import NATIVE_DOMAIN, NATIVE_OP, NATIVE_ROWS_OP
 
 __all__ = ["FUSED_OP", "FUSED_ROWS_OP", "fuse"]
@@ -43,7 +43,6 @@ __all__ = ["FUSED_OP", "FUSED_ROWS_OP", "fuse"]
 FUSED_OP = "PagedAttentionRope"
 FUSED_ROWS_OP = "PagedAttentionRopeRows"     # over PagedAttentionPoolRows' past (two more inputs)
 _FUSED = {NATIVE_OP: FUSED_OP, NATIVE_ROWS_OP: FUSED_ROWS_OP}
-_ONNX = ("", "ai.onnx")
 
 
 @dataclass
@@ -190,7 +189,7 @@ def _norms(q: _Side, k: _Side, v: _Side) -> float | None:
         if norm is None:
             continue
         ones = None if weighted or len(norm.inputs) != 2 else _ones(norm)
-        if norm.domain not in _ONNX or len(norm.inputs) != 2 or len(norm.outputs) != 1 \
+        if norm.domain not in ONNX_DOMAINS or len(norm.inputs) != 2 or len(norm.outputs) != 1 \
                 or norm.attributes.get_int("axis", -1) not in (-1, 2) \
                 or norm.attributes.get_int("stash_type", 1) != 1 \
                 or not (_is_weight(norm.inputs[1], side.dim) if weighted else ones is not None):
@@ -229,11 +228,11 @@ def _delta(attention: ir.Node, k: _Side, v: _Side) -> tuple[list[ir.Node], ir.Va
     if not concats:
         return [], None
     concat = concats.pop()
-    if concats or concat.domain not in _ONNX or len(concat.inputs) != 2 or concat.inputs[0] not in k_views \
+    if concats or concat.domain not in ONNX_DOMAINS or len(concat.inputs) != 2 or concat.inputs[0] not in k_views \
             or concat.inputs[1] not in v_views or concat.attributes.get_int("axis", 0) not in (1, -1):
         return None
     unsqueeze = _sole_reader(concat.outputs[0])
-    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or unsqueeze.domain not in _ONNX \
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or unsqueeze.domain not in ONNX_DOMAINS \
             or not is_singleton_value(unsqueeze.inputs[1], lambda a: a in (1, -2)):
         return None
     views = [k_views[concat.inputs[0]], v_views[concat.inputs[1]]]
@@ -252,7 +251,7 @@ def _flat_views(heads: ir.Value, side: _Side) -> dict[ir.Value, ir.Node | None]:
 
 def _onnx_producer(value: ir.Value | None) -> ir.Node | None:
     node = None if value is None else value.producer()
-    return node if node is not None and node.domain in _ONNX else None
+    return node if node is not None and node.domain in ONNX_DOMAINS else None
 
 
 def _sole_reader(value: ir.Value) -> ir.Node | None:
@@ -264,7 +263,7 @@ def _read_back(attention: ir.Node) -> ir.Value | None:
     """The output of the one Reshape reading the attention's output (checked by _reshapes_to)."""
     out = attention.outputs[0]
     reader = None if out.is_graph_output() else _sole_reader(out)
-    if reader is None or reader.op_type != "Reshape" or reader.domain not in _ONNX or reader.inputs[0] is not out:
+    if reader is None or reader.op_type != "Reshape" or reader.domain not in ONNX_DOMAINS or reader.inputs[0] is not out:
         return None
     return reader.outputs[0]
 
@@ -272,7 +271,7 @@ def _read_back(attention: ir.Node) -> ir.Value | None:
 def _view(node: ir.Node | None, rank: int) -> list[int] | None:
     """The tail of the constant [S, *tail] of `rank` a Reshape `node` makes (S as -1, or 0 copying the input's
     tokens; the tail positive), else None."""
-    if node is None or node.op_type != "Reshape" or node.domain not in _ONNX:
+    if node is None or node.op_type != "Reshape" or node.domain not in ONNX_DOMAINS:
         return None
     shape = get_numpy_value(node.inputs[1])
     if shape is None or shape.shape != (rank,) or not _keeps_tokens(node, int(shape[0])) \
@@ -308,7 +307,7 @@ def _half_source(table: ir.Value, tables: set[ir.Node]) -> ir.Value:
     """The [S, D/2] table `table` views as [S, 1, D/2] when an Unsqueeze(1) makes it (the kernel reads either,
     and the Unsqueeze goes once nothing else reads it), else `table` itself."""
     node = table.producer()
-    if node is not None and node.op_type == "Unsqueeze" and node.domain in _ONNX \
+    if node is not None and node.op_type == "Unsqueeze" and node.domain in ONNX_DOMAINS \
             and is_singleton_value(node.inputs[1], 1) and node.inputs[0].shape is not None \
             and len(node.inputs[0].shape) == 2:
         tables.add(node)

@@ -31,6 +31,8 @@ from typing import Any
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from engines.ort.graph_edit import ONNX_DOMAINS
+
 
 def get_numpy_value(value: ir.Value | None) -> Any:
     """The value as a numpy array when it is a constant (an initializer or a Constant node's output), else None."""
@@ -99,7 +101,7 @@ def _half_table(table: ir.Value, function: str, half: int) -> tuple[ir.Value, ir
     if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or not is_singleton_value(unsqueeze.inputs[1], 1):
         return None
     trig = unsqueeze.inputs[0].producer()
-    if trig is None or trig.op_type != function or trig.domain not in ("", "ai.onnx"):
+    if trig is None or trig.op_type != function or trig.domain not in ONNX_DOMAINS:
         return None
     concat = trig.inputs[0].producer()
     if concat is None or concat.op_type != "Concat" or len(concat.inputs) != 2 \
@@ -143,7 +145,7 @@ class _ConcatThenSplit(pattern.RewriteRuleClassBase):
 def _concatenated(value: ir.Value) -> tuple[tuple[ir.Value, ir.Value], int] | None:
     """((a, b), axis) when `value` is Concat(a, b) along an axis where both sizes are static ints."""
     concat = value.producer()
-    if concat is None or concat.op_type != "Concat" or concat.domain not in ("", "ai.onnx") or len(concat.inputs) != 2:
+    if concat is None or concat.op_type != "Concat" or concat.domain not in ONNX_DOMAINS or len(concat.inputs) != 2:
         return None
     a, b = concat.inputs
     if a.shape is None or b.shape is None or len(a.shape) != len(b.shape) or not a.shape:

@@ -2,6 +2,7 @@
 
 - `replace_node` / `replace_values`: new values take over old ones' readers (graph outputs too), shape, type
   and name; the replaced nodes go, and with `replace_values` the initializers only they read.
+- `ONNX_DOMAINS`, `is_onnx`: the standard ONNX domain as a node may spell it, for the passes' matches.
 - `swiglu_parts`: the SwiGLU an MLP spells as Mul(Mul(G, Sigmoid(G)), U), matched by its structure alone;
   each pass checks what produces G and U (PackedLinear, a quantized MatMul).
 """
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-_ONNX = ("", "ai.onnx")
+ONNX_DOMAINS = ("", "ai.onnx")      # the standard domain, as a node may spell it
 
 
 def replace_node(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
@@ -60,15 +61,15 @@ class SwiGLU:
 def swiglu_parts(mul: ir.Node) -> SwiGLU | None:
     """`mul`'s SwiGLU (operands of both Muls in either order) when G is read by its Sigmoid and silu Mul alone,
     the Sigmoid and the silu by the next Mul alone, U by `mul` alone, and none of them is a graph output."""
-    if not _is_onnx(mul, "Mul") or len(mul.inputs) != 2:
+    if not is_onnx(mul, "Mul") or len(mul.inputs) != 2:
         return None
     for silu, up in (mul.inputs, mul.inputs[::-1]):
         inner = _only_reader_is(silu, mul)
-        if inner is None or not _is_onnx(inner, "Mul") or len(inner.inputs) != 2 or _only_reader_is(up, mul) is None:
+        if inner is None or not is_onnx(inner, "Mul") or len(inner.inputs) != 2 or _only_reader_is(up, mul) is None:
             continue
         for gate, sigmoid_out in (inner.inputs, inner.inputs[::-1]):
             sigmoid = sigmoid_out.producer() if sigmoid_out is not None else None
-            if (sigmoid is not None and _is_onnx(sigmoid, "Sigmoid") and sigmoid.inputs[0] is gate
+            if (sigmoid is not None and is_onnx(sigmoid, "Sigmoid") and sigmoid.inputs[0] is gate
                     and _only_reader_is(sigmoid_out, inner) is not None and gate is not None
                     and not gate.is_graph_output() and {id(u.node) for u in gate.uses()} == {id(sigmoid), id(inner)}
                     and len(gate.uses()) == 2):
@@ -76,8 +77,9 @@ def swiglu_parts(mul: ir.Node) -> SwiGLU | None:
     return None
 
 
-def _is_onnx(node: ir.Node, op_type: str) -> bool:
-    return node.op_type == op_type and node.domain in _ONNX
+def is_onnx(node: ir.Node, op_type: str) -> bool:
+    """`node` is the standard ONNX op `op_type`."""
+    return node.op_type == op_type and node.domain in ONNX_DOMAINS
 
 
 def _only_reader_is(value: ir.Value | None, node: ir.Node) -> ir.Node | None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engines.ort.graph_edit import replace_node, replace_values, swiglu_parts
+from engines.ort.graph_edit import ONNX_DOMAINS, replace_node, replace_values, swiglu_parts
 from plugins import ort_cpu
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def _merge(graph: ir.Graph, linears: list[ir.Node], outputs: list[ir.Value], rem
 def _layout(node: ir.Node) -> int | None:
     """PackedLinear's trans_b for this node (1: W is [N, K], 0: [K, N]), or None when it stays as it is."""
 
-    if node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[0] is None:
+    if node.domain not in ONNX_DOMAINS or len(node.inputs) < 2 or node.inputs[0] is None:
         return None
     x, weight = node.inputs[0], node.inputs[1]
     if not _packable(node, weight):
@@ -150,10 +150,10 @@ def _transposed_weight(node: ir.Node) -> ir.Node | None:
     """The Transpose when `node` is MatMul(x, Transpose(W)) of a 2-D float32 weight W (a drafter reusing the
     target's head writes the target's logits so): PackedLinear(x, W, trans_b=1) is the same product, and the
     same kernel as the target-only graph's head, so both graphs compute the logits bit for bit alike."""
-    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2 or node.inputs[0] is None:
+    if node.op_type != "MatMul" or node.domain not in ONNX_DOMAINS or len(node.inputs) < 2 or node.inputs[0] is None:
         return None
     source = node.inputs[1].producer() if node.inputs[1] is not None else None
-    if source is None or source.op_type != "Transpose" or source.domain not in ("", "ai.onnx"):
+    if source is None or source.op_type != "Transpose" or source.domain not in ONNX_DOMAINS:
         return None
     if list(source.attributes.get_ints("perm", [1, 0])) != [1, 0] or not _packable(node, source.inputs[0]):
         return None

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engines.ort.fusions import get_numpy_value
-from engines.ort.graph_edit import replace_values
+from engines.ort.graph_edit import ONNX_DOMAINS, is_onnx, replace_values
 from plugins import ort_cpu
 from runtime import manifest as io
 
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["FUSED_OP", "fuse"]
 
 FUSED_OP = "TokenLogprobs"
-_ONNX = ("", "ai.onnx")
 # what may lie between the outputs and their sources: token_logprobs' ops and the exporter's reshapes
 _BETWEEN = frozenset({"LogSoftmax", "TopK", "GatherElements", "Gather", "Greater", "Cast", "ReduceSum", "Add",
                       "Unsqueeze", "Squeeze", "Reshape", "Identity", "Clip", "Concat", "Equal", "Where"})
@@ -56,7 +55,7 @@ def fuse(model: ir.Model) -> int:
     if not _is_top_k(top_k) or top_k.outputs[1] is not outputs[io.TOP_LOGPROB_IDS]:
         return 0
     log_softmax = top_k.inputs[0].producer()
-    if log_softmax is None or not _is_onnx(log_softmax, "LogSoftmax") or not _last_axis(log_softmax, default=-1):
+    if log_softmax is None or not is_onnx(log_softmax, "LogSoftmax") or not _last_axis(log_softmax, default=-1):
         return 0
     logits = log_softmax.inputs[0]
     if logits.dtype != ir.DataType.FLOAT or logits.shape is None or len(logits.shape) != 3:
@@ -86,7 +85,7 @@ def _between(ends: list[ir.Value], sources: tuple[ir.Value, ...]) -> list[ir.Nod
         if id(value) in stop or get_numpy_value(value) is not None:
             continue
         node = value.producer()
-        if node is None or not (node.op_type in _BETWEEN and node.domain in _ONNX):
+        if node is None or not (node.op_type in _BETWEEN and node.domain in ONNX_DOMAINS):
             return None
         if id(node) not in found:
             found[id(node)] = node
@@ -102,7 +101,7 @@ def _between(ends: list[ir.Value], sources: tuple[ir.Value, ...]) -> list[ir.Nod
 
 
 def _is_top_k(node: ir.Node | None) -> bool:
-    if node is None or not _is_onnx(node, "TopK") or not _last_axis(node, default=-1):
+    if node is None or not is_onnx(node, "TopK") or not _last_axis(node, default=-1):
         return False
     k = get_numpy_value(node.inputs[1])
     largest, ordered = node.attributes.get("largest"), node.attributes.get("sorted")
@@ -116,6 +115,3 @@ def _last_axis(node: ir.Node, default: int) -> bool:
     axis = default if attribute is None else attribute.as_int()
     return axis in (-1, 2)
 
-
-def _is_onnx(node: ir.Node, op_type: str) -> bool:
-    return node.op_type == op_type and node.domain in _ONNX

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engines.ort.graph_edit import replace_node
+from engines.ort.graph_edit import ONNX_DOMAINS, replace_node
 from plugins import ort_cpu
 from plugins.pool_axes import BLOCK, LAYER, OFFSET, WIDTH
 from runtime import manifest as io
@@ -345,7 +345,7 @@ def _chain(nodes: list, producer: dict[str, int], outputs: tuple[str, ...],
             sources.append(name)                       # a graph input or an initializer (or a cut)
             continue
         node = nodes[producer[name]]
-        if node.domain not in ("", "ai.onnx") or any(a.HasField("g") or a.graphs for a in node.attribute):
+        if node.domain not in ONNX_DOMAINS or any(a.HasField("g") or a.graphs for a in node.attribute):
             return None
         chosen.add(producer[name])
         stack.extend(node.input)
@@ -363,7 +363,7 @@ def _run(model: onnx.ModelProto, nodes: list, sources: list[str], inputs: dict, 
     graph = onnx.helper.make_graph(
         nodes, "probe", [inputs[name] for name in sources if name in inputs],
         [onnx.helper.make_empty_tensor_value_info(name) for name in outputs], initializer=initializers)
-    probe = onnx.helper.make_model(graph, opset_imports=[o for o in model.opset_import if o.domain in ("", "ai.onnx")],
+    probe = onnx.helper.make_model(graph, opset_imports=[o for o in model.opset_import if o.domain in ONNX_DOMAINS],
                                    ir_version=model.ir_version)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engines.ort.fusions import get_numpy_value
+from engines.ort.graph_edit import ONNX_DOMAINS
 from plugins import ort_cpu
 from runtime import manifest as io
 
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["FUSED_OP", "fuse"]
 
 FUSED_OP = "MergeDrafts"
-_ONNX = ("", "ai.onnx")
 _COMMUTATIVE = frozenset({"Add", "Mul"})
 _TO_END = 2**62                     # a Slice end at least this large reads to the end of its axis
 
@@ -140,7 +140,7 @@ class _Match:
 
     def _node(self, value: ir.Value, op_type: str, attributes: dict[str, Any], inputs: tuple) -> bool:
         node = value.producer()
-        if (node is None or node.op_type != op_type or node.domain not in _ONNX or len(node.outputs) != 1
+        if (node is None or node.op_type != op_type or node.domain not in ONNX_DOMAINS or len(node.outputs) != 1
                 or len(node.inputs) != len(inputs) or not self._attributes(node, attributes)):
             return False
         orders = [inputs, inputs[::-1]] if op_type in _COMMUTATIVE else [inputs]
@@ -170,7 +170,7 @@ def fuse(model: ir.Model) -> int:
     if not all(name in inputs for name in (io.TOKENS, io.ROW_OFFSETS, io.POSITIONS, io.DRAFT_TOKENS)):
         return 0
     for node in list(graph):
-        if node.op_type != "GatherND" or node.domain not in _ONNX:
+        if node.op_type != "GatherND" or node.domain not in ONNX_DOMAINS:
             continue
         match = _Match(inputs)
         if not match.value(node.outputs[0], MERGED_TOKENS):

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engines.ort.graph_edit import replace_node, replace_values, swiglu_parts
+from engines.ort.graph_edit import ONNX_DOMAINS, replace_node, replace_values, swiglu_parts
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -229,7 +229,7 @@ def _dequantized_weight(node: ir.Node) -> tuple[ir.Node, dict[str, int]] | None:
     """(the DQ, MatMulNBits' K / N / bits / block_size) when `node` is a MatMul this lowering takes."""
     import onnx_ir as ir
 
-    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.inputs[0] is None:
+    if node.op_type != "MatMul" or node.domain not in ONNX_DOMAINS or node.inputs[0] is None:
         return None
     activation = node.inputs[0].dtype          # MatMulNBits' T1: A and scales alike (float16 runs on CPU too)
     if activation not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
