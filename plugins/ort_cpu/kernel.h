@@ -85,6 +85,27 @@ inline OrtStatus* make_output(OrtKernelContext* context, size_t index, const std
   return call<OrtStatus* (*)(OrtValue*, void**)>(g_api, GetTensorMutableData)(out, data);
 }
 
+// A node's attribute (KernelInfoGetAttribute_int64 / _float); an error status when the node lacks it.
+inline OrtStatus* int_attribute(const OrtKernelInfo* info, const char* name, int64_t* out) {
+  return call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(g_api, KernelInfoGetAttribute_int64)(
+      info, name, out);
+}
+
+inline OrtStatus* float_attribute(const OrtKernelInfo* info, const char* name, float* out) {
+  return call<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(g_api, KernelInfoGetAttribute_float)(
+      info, name, out);
+}
+
+// An optional attribute: whether the node has it (`*out` left alone when not); ORT's error status for an
+// absent one is ours to free, and is.
+template <typename T>
+bool optional_attribute(OrtStatus* (*read)(const OrtKernelInfo*, const char*, T*), const OrtKernelInfo* info,
+                        const char* name, T* out) {
+  OrtStatus* absent = read(info, name, out);
+  if (absent != nullptr) call<void (*)(OrtStatus*)>(g_api, ReleaseStatus)(absent);
+  return absent == nullptr;
+}
+
 // An op of the CPU provider with the fields every unispec op sets alike; the caller adds its name, types,
 // counts and kernel functions.
 inline OrtCustomOp cpu_op() {

@@ -208,13 +208,8 @@ OrtStatus* pack_input(const OrtKernelInfo* info, size_t index, int64_t trans_b, 
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
   int64_t trans_b = 1, swiglu = 0;
-  RETURN_IF_ERROR(call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(
-      g_api, KernelInfoGetAttribute_int64)(info, "trans_b", &trans_b));
-  if (OrtStatus* absent = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(
-          g_api, KernelInfoGetAttribute_int64)(info, "swiglu", &swiglu)) {
-    call<void (*)(OrtStatus*)>(g_api, ReleaseStatus)(absent);    // the error status is ours to free
-    swiglu = 0;                                                   // absent: plain outputs
-  }
+  RETURN_IF_ERROR(int_attribute(info, "trans_b", &trans_b));
+  if (!optional_attribute(int_attribute, info, "swiglu", &swiglu)) swiglu = 0;    // absent: plain outputs
   auto made = std::make_unique<Kernel>();
   made->swiglu = swiglu != 0;
   for (size_t index = 1; index <= kMaxWeights; ++index) {

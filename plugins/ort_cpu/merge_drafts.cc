@@ -75,11 +75,9 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
 }
 
 OrtStatus* create(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-  auto get_int = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(g_api,
-                                                                                 KernelInfoGetAttribute_int64);
   auto* a = new Attributes;
-  OrtStatus* status = get_int(info, "num_drafts", &a->num_drafts);
-  if (status == nullptr) status = get_int(info, "placeholder", &a->placeholder);
+  OrtStatus* status = int_attribute(info, "num_drafts", &a->num_drafts);
+  if (status == nullptr) status = int_attribute(info, "placeholder", &a->placeholder);
   if (status == nullptr && a->num_drafts < 1) status = fail("MergeDrafts: attribute num_drafts must be >= 1");
   if (status != nullptr) {
     delete a;

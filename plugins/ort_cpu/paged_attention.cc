@@ -142,17 +142,13 @@ OrtCustomOp g_paged_attention_rows = make_op(true);
 }  // namespace
 
 OrtStatus* read_attention_attributes(const OrtKernelInfo* info, Attributes* a) {
-  auto get_int = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(g_api,
-                                                                                 KernelInfoGetAttribute_int64);
-  auto get_float = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(g_api,
-                                                                                 KernelInfoGetAttribute_float);
-  RETURN_IF_ERROR(get_int(info, "layer", &a->layer));
-  RETURN_IF_ERROR(get_int(info, "k_column", &a->k_column));
-  RETURN_IF_ERROR(get_int(info, "v_column", &a->v_column));
-  RETURN_IF_ERROR(get_int(info, "causal", &a->causal));
-  RETURN_IF_ERROR(get_int(info, "sliding_window", &a->sliding_window));
-  RETURN_IF_ERROR(get_float(info, "scale", &a->scale));
-  return get_float(info, "softcap", &a->softcap);
+  RETURN_IF_ERROR(int_attribute(info, "layer", &a->layer));
+  RETURN_IF_ERROR(int_attribute(info, "k_column", &a->k_column));
+  RETURN_IF_ERROR(int_attribute(info, "v_column", &a->v_column));
+  RETURN_IF_ERROR(int_attribute(info, "causal", &a->causal));
+  RETURN_IF_ERROR(int_attribute(info, "sliding_window", &a->sliding_window));
+  RETURN_IF_ERROR(float_attribute(info, "scale", &a->scale));
+  return float_attribute(info, "softcap", &a->softcap);
 }
 
 OrtStatus* attend_pool(const Attributes& attr, const Tensor* t, const Tensor* with_rows, float* out) {

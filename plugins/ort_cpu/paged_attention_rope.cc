@@ -174,26 +174,18 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context, bool with_rows) {
 }
 
 OrtStatus* read_norm_attributes(const OrtKernelInfo* info, RopeAttributes* a) {
-  if (OrtStatus* absent = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(
-          g_api, KernelInfoGetAttribute_int64)(info, "v_norm", &a->v_norm)) {
-    call<void (*)(OrtStatus*)>(g_api, ReleaseStatus)(absent);    // absent: v not normed
-    a->v_norm = 0;
-  }
-  OrtStatus* absent = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(
-      g_api, KernelInfoGetAttribute_float)(info, "norm_epsilon", &a->norm_epsilon);
-  a->has_epsilon = absent == nullptr;                            // absent: fine while no norm is asked for
-  if (absent != nullptr) call<void (*)(OrtStatus*)>(g_api, ReleaseStatus)(absent);
+  if (!optional_attribute(int_attribute, info, "v_norm", &a->v_norm)) a->v_norm = 0;      // absent: v not normed
+  // absent: fine while no norm is asked for
+  a->has_epsilon = optional_attribute(float_attribute, info, "norm_epsilon", &a->norm_epsilon);
   return nullptr;
 }
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
   auto* a = new RopeAttributes;
-  auto get_int = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(g_api,
-                                                                                 KernelInfoGetAttribute_int64);
   OrtStatus* status = read_attention_attributes(info, &a->attention);
-  if (status == nullptr) status = get_int(info, "q_heads", &a->q_heads);
-  if (status == nullptr) status = get_int(info, "kv_heads", &a->kv_heads);
-  if (status == nullptr) status = get_int(info, "head_dim", &a->head_dim);
+  if (status == nullptr) status = int_attribute(info, "q_heads", &a->q_heads);
+  if (status == nullptr) status = int_attribute(info, "kv_heads", &a->kv_heads);
+  if (status == nullptr) status = int_attribute(info, "head_dim", &a->head_dim);
   if (status == nullptr) status = read_norm_attributes(info, a);
   if (status != nullptr) {
     delete a;

@@ -204,14 +204,10 @@ OrtStatus* sample_draft(void*, OrtKernelContext* context) {
 }
 
 OrtStatus* create_spec_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-  auto get_int = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(g_api,
-                                                                                 KernelInfoGetAttribute_int64);
-  auto get_float = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(g_api,
-                                                                                 KernelInfoGetAttribute_float);
   auto* a = new SpecAttributes;
-  OrtStatus* status = get_int(info, "num_drafts", &a->num_drafts);
-  if (status == nullptr) status = get_int(info, "relaxed_top_n", &a->relaxed_top_n);
-  if (status == nullptr) status = get_float(info, "relaxed_delta", &a->relaxed_delta);
+  OrtStatus* status = int_attribute(info, "num_drafts", &a->num_drafts);
+  if (status == nullptr) status = int_attribute(info, "relaxed_top_n", &a->relaxed_top_n);
+  if (status == nullptr) status = float_attribute(info, "relaxed_delta", &a->relaxed_delta);
   if (status != nullptr) {
     delete a;
     return status;

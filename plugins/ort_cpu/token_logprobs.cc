@@ -136,10 +136,8 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
 }
 
 OrtStatus* create(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-  auto get_int = call<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(g_api,
-                                                                                 KernelInfoGetAttribute_int64);
   auto* num_top = new int64_t(0);
-  OrtStatus* status = get_int(info, "num_top", num_top);
+  OrtStatus* status = int_attribute(info, "num_top", num_top);
   if (status == nullptr && *num_top < 1) status = fail("TokenLogprobs: attribute num_top must be >= 1");
   if (status != nullptr) {
     delete num_top;
