@@ -2,6 +2,7 @@
 
 - `replace_node` / `replace_values`: new values take over old ones' readers (graph outputs too), shape, type
   and name; the replaced nodes go, and with `replace_values` the initializers only they read.
+- `remove_unread`: of a set of nodes, those nothing reads any more (in turn), and the initializers only they read.
 - `ONNX_DOMAINS`, `is_onnx`: the standard ONNX domain as a node may spell it, for the passes' matches.
 - `swiglu_parts`: the SwiGLU an MLP spells as Mul(Mul(G, Sigmoid(G)), U), matched by its structure alone;
   each pass checks what produces G and U (PackedLinear, a quantized MatMul).
@@ -40,14 +41,34 @@ def replace_values(graph: ir.Graph, pairs: list[tuple[ir.Value, ir.Value]], remo
     for old, new in pairs:
         new.shape, new.type = old.shape, old.type
         ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-    read = {value for node in removed for value in node.inputs      # removing a node detaches its inputs
-            if value is not None and value.is_initializer()}
+    read = _initializers_read(removed)              # removing a node detaches its inputs: collected first
     graph.remove(removed, safe=True)
-    for value in read:
-        if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
-            graph.initializers.pop(value.name, None)
+    _drop_unread(graph, read)
     for old, new in pairs:
         new.name = old.name                         # free once its node is gone
+
+
+def remove_unread(graph: ir.Graph, candidates: list[ir.Node]) -> None:
+    """The nodes of `candidates` whose outputs nothing reads, and then those that only they read (in turn),
+    and the initializers only removed nodes read; candidates still read stay."""
+    left = {id(node): node for node in candidates}
+    read = _initializers_read(candidates)
+    while dead := [n for n in left.values() if not any(o.uses() or o.is_graph_output() for o in n.outputs)]:
+        graph.remove(dead, safe=True)
+        for node in dead:
+            del left[id(node)]
+    _drop_unread(graph, read)
+
+
+def _initializers_read(nodes: list[ir.Node]) -> set[ir.Value]:
+    return {value for node in nodes for value in node.inputs if value is not None and value.is_initializer()}
+
+
+def _drop_unread(graph: ir.Graph, initializers: set[ir.Value]) -> None:
+    """Those of `initializers` nothing reads any more (ONNX Runtime warns of unread initializers)."""
+    for value in initializers:
+        if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
+            graph.initializers.pop(value.name, None)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engines.ort.fusions import get_numpy_value
-from engines.ort.graph_edit import ONNX_DOMAINS
+from engines.ort.graph_edit import ONNX_DOMAINS, remove_unread
 from plugins import ort_cpu
 from runtime import manifest as io
 
@@ -198,12 +198,4 @@ def _replace(model: ir.Model, match: _Match, merged_tokens: ir.Value, merged_pos
     for old, new in zip(olds, node.outputs):
         new.shape, new.type, new.name = old.shape, old.type, f"{old.name}_merged"
         ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
-    left = dict(match.nodes)
-    read = {v for n in left.values() for v in n.inputs if v is not None and v.is_initializer()}
-    while dead := [n for n in left.values() if not any(o.uses() or o.is_graph_output() for o in n.outputs)]:
-        graph.remove(dead, safe=True)
-        for n in dead:
-            del left[id(n)]
-    for value in read:                  # ONNX Runtime warns of initializers nothing reads
-        if not value.uses() and not value.is_graph_input() and not value.is_graph_output():
-            graph.initializers.pop(value.name, None)
+    remove_unread(graph, list(match.nodes.values()))
