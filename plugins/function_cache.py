@@ -5,9 +5,10 @@ reference; for a bundled pair that was about two thirds of an export's time (mea
 tiny Llama 3 `none` export: 232 s of 359 s on a loaded 2-core machine), and it is the same work every time.
 
 The key is everything the function depends on: the op and which of its torch references is exported, its
-attribute values and input dtypes, the opset, the source of every module under plugins/ (the references and this exporter), and the versions of torch, onnx,
-onnxscript and onnx_ir. An entry is written to a temporary name and renamed, so a reader never sees half a
-file; one that does not parse is ignored and rewritten. A cache that cannot be written costs only the time.
+attribute values and input dtypes, the opset, the source of every module under plugins/ (the references and
+this exporter), and the versions of torch, onnx, onnxscript and onnx_ir. An entry is written to a temporary
+name and renamed, so a reader never sees half a file; one that does not parse is ignored and rewritten. A
+cache that cannot be written costs only the time.
 """
 
 from __future__ import annotations

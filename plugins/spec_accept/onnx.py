@@ -34,15 +34,15 @@ def spec_accept_onnx(logits: TFloat, draft_tokens: INT64, temperature: FLOAT, to
     return num_accepted, next_tokens
 
 
+SHARED_FROM_K = 2              # every K from this one shares the function traced at it
+
+
 def traced_at(attributes: Mapping[str, Any]) -> dict[str, Any]:
     """K = 0 and K = 1 are traced at their own K (an example axis of size 0 or 1 is static, and ONNX Runtime
     mishandles some ops on the empty axes of a K = 0 graph traced at another K); every K >= 2 shares the
     function traced at K = 2, where the draft axes are dynamic. The reference reads K from its inputs' shapes
-    only, so that function is every K's (tests/plugins/spec_accept/test_onnx.py runs it at other K)."""
+    only, so that function is every K's (tests/plugins/spec_accept/test_op.py runs it at K = 5)."""
     return {**attributes, "num_drafts": min(int(attributes["num_drafts"]), SHARED_FROM_K)}
-
-
-SHARED_FROM_K = 2
 
 
 def example_inputs(attributes: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
