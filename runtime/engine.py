@@ -41,7 +41,8 @@ from runtime.sequence import (
     validate_prompt,
 )
 from runtime.speculation import SPECULATIVE, TARGET_ONLY, SpeculationPolicy
-from runtime.speculation_record import RecordFile
+from runtime.speculation_calibration import calibrate
+from runtime.speculation_record import CostRecord, RecordFile
 from runtime.step_feeds import StepFeeds
 from runtime.structured import GrammarCompiler, RequestGrammar, check_structured_support
 
@@ -110,9 +111,9 @@ class Engine:
         self.buffers = self.feeds.buffers
         self._input_names = frozenset(s.name for s in specs)
         has_target_only = backend.has_target_only
-        self.policy = SpeculationPolicy(speculation, k=self.k, has_target_only=has_target_only,
-                                        known=record.load() if record is not None else None)
-        self._record = record if self.policy.adaptive else None
+        known = record.load() if record is not None else None
+        self.policy = SpeculationPolicy(speculation, k=self.k, has_target_only=has_target_only, known=known)
+        self._record: RecordFile | None = None       # set below, once the engine is whole
         only = frozenset(s.name for s in backend.target_only_input_specs()) if has_target_only else frozenset()
         # a `none` artifact (K = 0) runs its one graph for "target-only" steps
         self._names = {SPECULATIVE: self._input_names, TARGET_ONLY: only if self.k else self._input_names}
@@ -121,6 +122,12 @@ class Engine:
         self._ids = count()
         self.num_steps = 0
         self.timings = StepTimings()
+        if record is not None and self.policy.adaptive:
+            calibrated = calibrate(self, known or CostRecord())       # a first use times both graphs
+            if calibrated is not known:
+                self.policy = SpeculationPolicy(speculation, k=self.k, has_target_only=True, known=calibrated)
+                record.save(calibrated)
+            self._record = record
 
     @property
     def waiting(self) -> Sequence[SequenceState]:

@@ -32,6 +32,8 @@
   are made even when the gain looks out of reach; engines too short-lived to probe count the steps decided
   on recorded ratios, and the one that brings the count to PROBE_INTERVAL times both graphs (its probe lasts
   WARMUP_STEPS + MIN_SAMPLES steps, so that a fresh engine's cold steps are left out).
+  A record with no ratio for a kind of step gets one at batch 1 when the engine opens, before any request
+  (runtime/speculation_calibration.py).
 
 Forcing: `speculation="always"` (the speculative graph every step) or `"never"` (target-only every step).
 Peers: vLLM turns speculation off above a batch size; TRT-LLM and SGLang adapt the draft length. The
@@ -114,7 +116,7 @@ class SpeculationPolicy:
             return SPECULATIVE                       # reproducible seeded tokens, see the module's note
         self._since_probe += 1
         bucket, sampled = _bucket(len(rows)), _any_sampled(rows)
-        if self.known.ratios and self._ratio(bucket, sampled) is None:
+        if self.known.ratios and self.ratio(bucket, sampled) is None:
             self.stale_steps += 1                 # a step decided on what earlier engines measured
         fresh = not any(r.generated for r in rows)      # a batch that has not decoded: the bar to start is its own
         if self._dwell > 0 and not fresh and not (self.current == TARGET_ONLY and _all_new(rows)):
@@ -134,7 +136,7 @@ class SpeculationPolicy:
     def _probe(self, best: str, rows: Sequence[SequenceState], bucket: int, sampled: bool,
                reach: float) -> tuple[bool, int]:
         """Whether to run the other graph than `best` now, and how many steps a switch then holds."""
-        own = self._ratio(bucket, sampled) is not None
+        own = self.ratio(bucket, sampled) is not None
         if self.stale_steps >= PROBE_INTERVAL and not own and _gap(rows) <= ENTER_GAP / 4:
             self.stale_steps = 0                  # time both graphs here, long enough to outlast their warm-up
             return True, WARMUP_STEPS + MIN_SAMPLES
@@ -152,7 +154,7 @@ class SpeculationPolicy:
         """The better kind of step for `rows` (in batch bucket `bucket`, `sampled` if any row samples; `fresh`:
         none has decoded yet), and its expected gain over the bar it must clear (inf while a kind is
         unmeasured)."""
-        ratio = self._ratio(bucket, sampled)
+        ratio = self.ratio(bucket, sampled)
         if ratio is None:
             ratio = self.known.ratios.get((bucket, sampled))          # measured by earlier engines
         if ratio is None and any(s == sampled for _, s in self.known.ratios):
@@ -187,7 +189,7 @@ class SpeculationPolicy:
             self.step_s[key] = lower_quartile(self._recent[key])
         return self.step_s[key]
 
-    def _ratio(self, bucket: int, sampled: bool) -> float | None:
+    def ratio(self, bucket: int, sampled: bool) -> float | None:
         """t_spec / t_target of a bucket as this engine measured it, None until it timed both graphs there."""
         spec_s, only_s = self._time(SPECULATIVE, bucket, sampled), self._time(TARGET_ONLY, bucket, sampled)
         return None if spec_s is None or only_s is None else spec_s / only_s
@@ -196,7 +198,7 @@ class SpeculationPolicy:
         """bucket -> t_spec / t_target of every bucket measured, by this engine or (else) recorded."""
         ratios = {b: r for (b, s), r in self.known.ratios.items() if s == sampled}
         for kind, b, s in list(self.samples):
-            ratio = self._ratio(b, s) if kind == SPECULATIVE and s == sampled else None
+            ratio = self.ratio(b, s) if kind == SPECULATIVE and s == sampled else None
             if ratio is not None:
                 ratios[b] = ratio
         return ratios
@@ -218,7 +220,7 @@ class SpeculationPolicy:
                 accepted[sampled] = (self.prior[sampled], len(seen) + self._missing(sampled))
         ratios = dict(self.known.ratios)
         for key in {(b, s) for (_, b, s) in self.samples}:
-            own = self._ratio(*key)
+            own = self.ratio(*key)
             if own is not None:         # one engine's cold steps and load: half the weight, the record the rest
                 ratios[key] = math.sqrt(own * ratios[key]) if key in ratios else own
         return CostRecord(ratios, accepted, self.stale_steps)

@@ -115,7 +115,7 @@ def test_a_short_lived_engine_re_times_a_stale_record() -> None:
     kinds = _steps(policy, [_row(0.0, True)], 40)
     probe = sp.WARMUP_STEPS + sp.MIN_SAMPLES
     assert kinds[:2] == [ONLY] * 2 and kinds[2:2 + probe] == [SPEC] * probe and kinds[2 + probe] == ONLY
-    assert policy._ratio(1, False) == pytest.approx(2.0)                  # both timed here: counting stopped
+    assert policy.ratio(1, False) == pytest.approx(2.0)                  # both timed here: counting stopped
     counted = policy.stale_steps                                           # restarted from 0 at the probe
     _steps(policy, [_row(0.0, True)], 40)
     assert policy.learned().stale_steps == policy.stale_steps == counted < 40
@@ -184,3 +184,26 @@ def test_an_llm_starts_from_the_record_and_leaves_what_it_learned(tiny_artifact,
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
         assert llm.engine.policy.counts[ran] > 0 and llm.engine.policy.counts[other] == 0
         assert file.load().ratios[(2, False)] == ratio                    # kept: this LLM timed one graph only
+
+
+def test_a_first_use_times_both_graphs_before_any_request(tiny_artifact, tmp_path, monkeypatch) -> None:
+    """A record without ratios: the LLM times both graphs at batch 1 on a throwaway request as it opens
+    (runtime/speculation_calibration.py; a batch-16 first use never timed both in one bucket, since rows finish
+    apart under speculation) and keeps no trace of that request; the next LLM times nothing."""
+    monkeypatch.setenv(ENV, str(tmp_path))
+    path = tiny_artifact("llama3-eagle3").path
+    file = RecordFile.for_artifact(path, 3, "ort", {})
+    file.save(CostRecord({}, {False: (1.5, 64)}, stale_steps=9))
+    llm = LLM(path, num_blocks=128)
+    engine, ratios = llm.engine, file.load().ratios
+    assert set(ratios) == {(1, False), (1, True)} and all(0 < r < 1e3 for r in ratios.values())
+    assert engine.policy.known.ratios == ratios and file.load().accepted == {False: (1.5, 64)}
+    assert file.load().stale_steps == 9
+    assert engine.timings.steps == 0 and engine.num_steps == 0 and not engine.policy.counts
+    assert engine.blocks.num_free == 128 and not engine.has_unfinished()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    [out] = llm.generate([[5, 6, 7]], params)
+    assert out.token_ids == LLM(path, num_blocks=128, speculation="never").generate([[5, 6, 7]], params)[0].token_ids
+    saved = file.load()
+    LLM(path, num_blocks=128)
+    assert file.load() == saved                         # nothing missing: nothing timed, nothing written
