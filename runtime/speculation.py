@@ -31,9 +31,8 @@
   (geometric mean) when it runs out of requests. Probes of a recorded choice wait RECORDED_PROBE steps and
   are made even when the gain looks out of reach; engines too short-lived to probe count the steps decided
   on recorded ratios, and the one that brings the count to PROBE_INTERVAL times both graphs (its probe lasts
-  WARMUP_STEPS + MIN_SAMPLES steps, so that a fresh engine's cold steps are left out).
-  A record with no ratio for a kind of step gets one at batch 1 when the engine opens, before any request
-  (runtime/speculation_calibration.py).
+  WARMUP_STEPS + MIN_SAMPLES steps, so that a fresh engine's cold steps are left out). A record without a
+  ratio gets one when the engine opens (runtime/speculation_calibration.py).
 
 Forcing: `speculation="always"` (the speculative graph every step) or `"never"` (target-only every step).
 Peers: vLLM turns speculation off above a batch size; TRT-LLM and SGLang adapt the draft length. The

@@ -11,15 +11,31 @@ both graphs at batch 1 on a throwaway request when it opens; batch sizes without
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
 
 from runtime.errors import InvalidRequestError
+from runtime.manifest import Manifest
 from runtime.sampling_params import SamplingParams
 from runtime.speculation import MIN_SAMPLES, WARMUP_STEPS, SpeculationPolicy
 from runtime.speculation_record import CostRecord
 
-if TYPE_CHECKING:
-    from runtime.engine import Engine
+
+class Engine(Protocol):
+    """What calibration uses of runtime.engine.Engine (which imports this module)."""
+
+    manifest: Manifest
+    k: int
+    policy: SpeculationPolicy
+    timings: Any
+    num_steps: int
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = ...,
+                    request_id: Hashable | None = ...) -> Hashable: ...
+    def has_unfinished(self) -> bool: ...
+    def step(self) -> Any: ...
+    def abort(self, request_id: Hashable) -> Any: ...
+    def reset_timings(self) -> Any: ...
 
 PROMPT_TOKENS = 8                  # the throwaway request's prompt: token ids 1..8
 SAMPLED_TEMPERATURE = 1.0          # its sampled twin (unseeded: a seeded sampled row pins speculation)
