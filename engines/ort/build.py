@@ -80,6 +80,7 @@ def lower_graph(directory: Path, name: str, source: str = io.MODEL_NAME) -> None
     merge.fuse(model)               # the merge of a step's tokens with its drafts: one node
     quant.lower(model)          # DQ + MatMul that ONNX Runtime would not fuse into MatMulNBits itself
     linear.lower(model)
+    fusions.drop_unread_statistics(model)
     _replace(directory / name, lambda tmp: ir.save(model, tmp))
 
 
