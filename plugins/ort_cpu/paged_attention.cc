@@ -181,15 +181,21 @@ OrtStatus* attend_pool(const Attributes& attr, const Tensor* t, const Tensor* wi
   const int64_t slots_per_row = st.max_blocks * st.block_size;
   std::vector<const float*> rows;
   for (int64_t b = 0; b < batch; ++b) {
-    rows.resize(st.lengths[b]);
-    for (int64_t p = 0; p < st.lengths[b]; ++p) rows[p] = st.pool_row(b, p);
+    const int64_t length = st.lengths[b], step = st.pool_strides[kPoolAxisOffset];
+    rows.resize(length);
+    for (int64_t p0 = 0; p0 < length; p0 += st.block_size) {    // one table lookup per block, not per key
+      const float* first = st.pool_row(b, p0);
+      for (int64_t p = p0, end = std::min(length, p0 + st.block_size); p < end; ++p) rows[p] = first + (p - p0) * step;
+    }
     for (int64_t n = 0; n < overrides.count; ++n) {    // in-graph rows over their slots (the last one wins)
       const int64_t row_of = overrides.index[n] / slots_per_row, p = overrides.index[n] % slots_per_row;
       if (row_of == b && p < st.lengths[b])
         rows[p] = overrides.rows + n * st.width;
     }
+    // Tiles from 2 queries per kv head: a GQA pair's decode ran key-outer with a horizontal sum per key and
+    // query, 0.49 ms a bundled Llama 3 step at 384 past tokens against 0.34 tiled (padded to 8 queries).
     const int64_t per_head = (st.offsets[b + 1] - st.offsets[b]) * (st.q_heads / st.kv_heads);
-    (per_head >= 4 ? attend_tiled : attend_rows)(st, b, rows);
+    (per_head >= 2 ? attend_tiled : attend_rows)(st, b, rows);
   }
   return nullptr;
 }

@@ -76,7 +76,7 @@ float prepare_scores(const Attributes& a, float* s, const int64_t* key_at, int64
   return top;
 }
 
-// Attention of row `row`'s new tokens, every head, for a step with 4 or more queries per kv head (decode
+// Attention of row `row`'s new tokens, every head, for a step with 2 or more queries per kv head (decode
 // with GQA, a multi-token verify, a prefill chunk), flash-style: keys in tiles of kTile, each query keeping
 // a running maximum, denominator and weighted sum of values (online softmax), so a key's pool row is read
 // once, tile by tile, for every head and query. `rows[j]` is the pool row of the row's past position j (this
@@ -217,8 +217,8 @@ void attend_tiled(const Step& st, int64_t row, const std::vector<const float*>& 
     }
 }
 
-// Attention of row `row`'s new tokens, every head, for a step with few queries per kv head (decode): loops
-// run key-outer over whole pool rows (each row read once, contiguously for all heads, rows a few keys ahead
+// Attention of row `row`'s new tokens, every head, for a step with one query per kv head (multi-head decode):
+// loops run key-outer over whole pool rows (each row read once, contiguously for all heads, rows a few keys ahead
 // prefetched), four queries per key load; every query's scores then lie contiguous for a vectorised softmax.
 void attend_rows(const Step& st, int64_t row, const std::vector<const float*>& rows) {
   const Attributes& a = st.attr;
