@@ -18,6 +18,7 @@ so that request's tokens do not depend on the batch or on timing (see runtime/sp
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -42,7 +43,7 @@ from runtime.sequence import (
 )
 from runtime.speculation import SPECULATIVE, TARGET_ONLY, SpeculationPolicy
 from runtime.speculation_calibration import calibrate
-from runtime.speculation_record import CostRecord, RecordFile
+from runtime.speculation_record import CostRecord, RecordFile, RecordSaver
 from runtime.step_feeds import StepFeeds
 from runtime.structured import GrammarCompiler, RequestGrammar, check_structured_support
 
@@ -96,7 +97,7 @@ class Engine:
                  grammars: GrammarCompiler | None = None, listener: Listener | None = None,
                  speculation: str = "auto", record: RecordFile | None = None) -> None:
         """`record`: where `speculation="auto"` starts from what earlier engines on this artifact learned and
-        leaves what this one learns, each time it runs out of requests (runtime/speculation_record.py)."""
+        leaves what this one learns, when it runs out of requests and when it is let go (RecordSaver)."""
         m = self.manifest = backend.manifest
         self.backend, self.k = backend, m.num_speculative_tokens
         self.eos_token_ids, self.detokenize = frozenset(eos_token_ids), detokenize
@@ -113,7 +114,7 @@ class Engine:
         has_target_only = backend.has_target_only
         known = record.load() if record is not None else None
         self.policy = SpeculationPolicy(speculation, k=self.k, has_target_only=has_target_only, known=known)
-        self._record: RecordFile | None = None       # set below, once the engine is whole
+        self._record: RecordSaver | None = None      # set below, once the engine is whole
         only = frozenset(s.name for s in backend.target_only_input_specs()) if has_target_only else frozenset()
         # a `none` artifact (K = 0) runs its one graph for "target-only" steps
         self._names = {SPECULATIVE: self._input_names, TARGET_ONLY: only if self.k else self._input_names}
@@ -123,11 +124,13 @@ class Engine:
         self.num_steps = 0
         self.timings = StepTimings()
         if record is not None and self.policy.adaptive:
-            calibrated = calibrate(self, known or CostRecord())       # a first use times both graphs
+            known = known or CostRecord()
+            calibrated = calibrate(self, known)                        # a first use times both graphs
             if calibrated is not known:
                 self.policy = SpeculationPolicy(speculation, k=self.k, has_target_only=True, known=calibrated)
                 record.save(calibrated)
-            self._record = record
+            self._record = RecordSaver(record, self.policy.learned, calibrated)
+            weakref.finalize(self, self._record.close)
 
     @property
     def waiting(self) -> Sequence[SequenceState]:
@@ -266,7 +269,7 @@ class Engine:
         if kind == TARGET_ONLY:
             t.target_only_steps, t.target_only_s = t.target_only_steps + 1, t.target_only_s + step_s
         if finished and self._record is not None and not self.scheduler.has_unfinished():
-            self._record.save(self.policy.learned())         # idle: the next engine starts from here
+            self._record.idle()                               # the next engine starts from what it learned
         return finished
 
     def _next_rows(self) -> list[SequenceState]:

@@ -17,7 +17,7 @@ from runtime.llm import LLM
 from runtime.noise import RequestNoise
 from runtime.sampling_params import SamplingParams
 from runtime.sequence import SequenceState
-from runtime.speculation_record import ENV, CostRecord, RecordFile
+from runtime.speculation_record import ENV, CostRecord, RecordFile, RecordSaver
 
 SPEC, ONLY = sp.SPECULATIVE, sp.TARGET_ONLY
 
@@ -207,3 +207,25 @@ def test_a_first_use_times_both_graphs_before_any_request(tiny_artifact, tmp_pat
     saved = file.load()
     LLM(path, num_blocks=128)
     assert file.load() == saved                         # nothing missing: nothing timed, nothing written
+
+
+def test_stale_steps_alone_are_written_when_the_engine_is_let_go_onto_the_newer_record(tmp_path) -> None:
+    """RecordSaver: what an engine measured is written when it goes idle; steps it only decided on the record
+    are added when it is let go, to the file as it is then (a newer record written meanwhile is kept)."""
+    file = RecordFile(tmp_path / "r.json", k=3)
+    loaded = CostRecord({(1, False): 2.0}, {False: (1.0, 64)}, stale_steps=10)
+    file.save(loaded)
+    learned = CostRecord({(1, False): 2.0}, {False: (1.0, 64)}, stale_steps=74)
+    saver = RecordSaver(file, lambda: learned, loaded)
+    saver.idle()
+    assert file.load() == loaded                               # only stale steps: nothing written yet
+    newer = CostRecord({(1, False): 3.0}, {False: (0.5, 80)}, stale_steps=20)
+    file.save(newer)                                           # another engine's, written meanwhile
+    saver.close()
+    assert file.load() == CostRecord(newer.ratios, newer.accepted, stale_steps=20 + 64)
+    learned = CostRecord({(1, False): 2.0}, {False: (1.2, 70)}, stale_steps=0)
+    saver = RecordSaver(file, lambda: learned, loaded)
+    saver.idle()
+    assert file.load() == learned                              # acceptance it saw: written at once
+    saver.close()
+    assert file.load() == learned                              # nothing more to add
