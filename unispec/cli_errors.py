@@ -41,6 +41,9 @@ def one_line(exc: Exception) -> str:
     if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in EXTRAS:
         extra = EXTRAS[exc.name.split(".")[0]]
         return f"this command needs {exc.name}, which comes with unispec's `{extra}` extra: pip install -e '.[{extra}]'"
+    if isinstance(exc, MemoryError):
+        return ("out of memory (a MemoryError in this process); free memory or use a machine with more, and for "
+                "`export` a weight-only --quantize int4 / int8 or a smaller --max-batch-size / --max-model-len")
     from export.out_dir import explain_os_error, os_error_in
 
     cause = os_error_in(exc)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
 from unispec.cli import main
 
+ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ("export", "build", "run", "bench", "compare", "inspect", "demo", "tiny")
 
 
@@ -29,14 +32,33 @@ def test_an_unexpected_failure_is_one_line_unless_debug(tmp_path, monkeypatch) -
     import export.tiny
 
     def broken(**_: object) -> None:
-        raise MemoryError("pretend the machine ran out")
+        raise RuntimeError("pretend a library broke")
 
     monkeypatch.setattr(export.tiny, "write_tiny", broken)
     argv = ["tiny", "--family", "llama3", "--out", str(tmp_path)]
     result = CliRunner().invoke(main, argv)
     assert result.exit_code == 1 and result.output.strip().count("\n") == 0 and "Traceback" not in result.output
-    assert "unexpected MemoryError: pretend the machine ran out; rerun with --debug" in result.output
-    assert isinstance(CliRunner().invoke(main, ["--debug", *argv]).exception, MemoryError)
+    assert "unexpected RuntimeError: pretend a library broke; rerun with --debug" in result.output
+    assert isinstance(CliRunner().invoke(main, ["--debug", *argv]).exception, RuntimeError)
+
+
+def test_an_export_out_of_memory_names_memory_and_leaves_no_staging(tmp_path, monkeypatch) -> None:
+    """Issue 36: running out of memory while exporting is one line that says so; nothing is left beside --out."""
+    import export.artifact
+
+    def exhausted(step: object, trace_dir: Path, *_: object) -> None:     # half a trace written, then no memory
+        trace_dir.mkdir(parents=True)
+        (trace_dir / "step.onnx.data").write_bytes(bytes(4096))
+        raise MemoryError()
+
+    monkeypatch.setattr(export.artifact, "_trace", exhausted)
+    out = tmp_path / "out" / "art"
+    result = CliRunner().invoke(main, ["export", "--target", str(ROOT / "models" / "llama3"), "--method", "none",
+                                       "--out", str(out)])
+    errors = [line for line in result.output.splitlines() if not line.startswith("[export]")]   # progress aside
+    assert result.exit_code == 1 and len(errors) == 1 and "Traceback" not in result.output
+    assert errors[0].startswith("Error: out of memory (a MemoryError in this process); free memory")
+    assert not out.exists() and list(out.parent.iterdir()) == []
 
 
 def test_facade_reports_unlanded_api() -> None:
