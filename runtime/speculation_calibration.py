@@ -20,8 +20,11 @@ from runtime.sampling_params import SamplingParams
 from runtime.speculation import MIN_SAMPLES, WARMUP_STEPS, SpeculationPolicy
 from runtime.speculation_record import CostRecord
 
+PROMPT_TOKENS = 8                  # the throwaway request's prompt: token ids 1..8
+SAMPLED_TEMPERATURE = 1.0          # its sampled twin (unseeded: a seeded sampled row pins speculation)
 
-class Engine(Protocol):
+
+class EngineLike(Protocol):
     """What calibration uses of runtime.engine.Engine (which imports this module)."""
 
     manifest: Manifest
@@ -37,11 +40,8 @@ class Engine(Protocol):
     def abort(self, request_id: Hashable) -> Any: ...
     def reset_timings(self) -> Any: ...
 
-PROMPT_TOKENS = 8                  # the throwaway request's prompt: token ids 1..8
-SAMPLED_TEMPERATURE = 1.0          # its sampled twin (unseeded: a seeded sampled row pins speculation)
 
-
-def calibrate(engine: Engine, known: CostRecord) -> CostRecord:
+def calibrate(engine: EngineLike, known: CostRecord) -> CostRecord:
     """`known` with the batch-1 ratio of each kind of step it has no ratio for, measured on this engine's
     graphs before it holds any request (its timings, step count and blocks left as they were); `known`
     itself when nothing is missing. The engine must not save a record meanwhile (Engine sets it after)."""
@@ -61,7 +61,7 @@ def calibrate(engine: Engine, known: CostRecord) -> CostRecord:
     return CostRecord(ratios, dict(known.accepted), known.stale_steps)
 
 
-def _time_both(engine: Engine, probe: SpeculationPolicy, sampled: bool) -> float | None:
+def _time_both(engine: EngineLike, probe: SpeculationPolicy, sampled: bool) -> float | None:
     """t_spec / t_target at batch 1 for one kind of step, as `probe` explores it on a throwaway request (it
     speculates until timed, then decodes target-only until timed); None if the request could not run."""
     k = engine.k
