@@ -115,7 +115,7 @@ OrtStatus* spec_accept(void* kernel, OrtKernelContext* context) {
   auto* next_tokens = static_cast<int64_t*>(next_data);
 
   Scratch s;
-  std::vector<double> target(vocab);
+  std::vector<double> target;          // the truncated target distribution: sampled rows only
   s.masked.resize(vocab);
   for (int64_t b = 0; b < batch; ++b) {
     const RowParams r{static_cast<const float*>(t[2].data)[b], static_cast<const float*>(t[4].data)[b],
@@ -133,6 +133,7 @@ OrtStatus* spec_accept(void* kernel, OrtKernelContext* context) {
         token = argmax(masked, vocab);
         accepted = draft == token;
       } else {
+        target.resize(vocab);
         truncate(masked, vocab, r, s, target.data());
         if (draft < 0)              // plain decoding: the token is y_i, sampled from the truncated target
           token = sample_inverse_cdf(target.data(), vocab, u[kNoiseTarget]);

@@ -31,11 +31,18 @@ namespace {
 
 bool is_greedy(float temperature) { return temperature < kGreedyTemperature; }
 
-int64_t argmax(const float* x, int64_t n) {     // the first of equal maxima, as torch and ONNX ArgMax
-  int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (x[i] > x[best]) best = i;
-  return best;
+// The first of equal maxima, as torch and ONNX ArgMax: the index a scan keeping the first strictly greater
+// value ends on (NaN never wins, and a NaN at 0 is never left). The maximum first, vectorised (the scan's
+// compare-and-select chain ran at ~2 cycles a token: 0.74 ms for a K = 7 greedy verdict over 128k tokens),
+// then its first index.
+int64_t argmax(const float* x, int64_t n) {
+  if (n <= 0 || std::isnan(x[0])) return 0;
+  float top = x[0];
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 1; i < n; ++i) top = x[i] > top ? x[i] : top;
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] == top) return i;
+  return 0;
 }
 
 // exp of x[0, n) in place. With glibc's vector math (UNISPEC_MVEC, AVX2) four lanes at a time, each within an
