@@ -110,24 +110,29 @@ def one_pass(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
 
 def profile(artifact: Path, llm: Any, prompts: list[list[int]], params: Any, out: Path) -> None:
     """Per op type, ORT's profiler over replays of one pass's decode steps, for each graph that ran."""
+    import onnx
     import onnxruntime as ort
     import profile_step
 
-    from plugins import ort_cpu
+    from runtime.backends import ort as ort_backend
 
     backend = llm.backend
     recorder = recorded_pass(llm, prompts, params)
-    for graph, g in (("run", backend._main), ("run_target_only", backend._target_only)):
+    for graph in ("run", "run_target_only"):
         calls = [c for c in recorder.calls if c["decode"] and c["graph"] == graph]
         if not calls:
             continue
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
-        options.register_custom_ops_library(str(ort_cpu.library_path()))
         options.enable_profiling = True
         options.profile_file_prefix = str(out / graph)
-        path = g.session._model_path
-        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        # the graph as the engine opens it: native kernels registered, and the linears this CPU's variant
+        # loses on put back as ONNX Runtime's (then the graph comes as bytes)
+        files = llm.manifest.graphs[io.STEP if graph == "run" else io.TARGET_ONLY]
+        model = artifact / files.get(ort_backend.GRAPH_KEY, files[io.PORTABLE])
+        _, source = ort_backend._graph_source(options, model, artifact / files[io.PORTABLE],
+                                              1 + llm.manifest.num_speculative_tokens)
+        session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
         wanted = {i.name for i in session.get_inputs()}
         pools = {k: v for k, v in backend.pools.items() if k in wanted}
         session.run(None, {**{k: v for k, v in calls[0]["feeds"].items() if k in wanted}, **pools})   # skipped
@@ -135,7 +140,8 @@ def profile(artifact: Path, llm: Any, prompts: list[list[int]], params: Any, out
         for c in calls:
             session.run(None, {**{k: v for k, v in c["feeds"].items() if k in wanted}, **pools})
         wall_ms = 1e3 * (time.perf_counter() - started) / len(calls)
-        nodes = len(profile_step._graph_nodes(Path(path)))
+        nodes = len(onnx.load_from_string(source).graph.node) if isinstance(source, bytes) else \
+            len(profile_step._graph_nodes(Path(source)))
         profile_step.print_engine(f"{artifact.name} {graph} ({len(calls)} decode steps)",
                                   profile_step._summary(Path(session.end_profiling()), wall_ms, nodes))
 
