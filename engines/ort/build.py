@@ -54,7 +54,8 @@ def lower_graph(directory: Path, name: str, source: str = io.MODEL_NAME) -> None
     Runtime. ORT would inline the functions itself but cannot fold their shape arithmetic once they are
     inlined; this removes ~10% of the nodes a step runs. SpecAccept's body is its lazy reference
     (plugins/spec_accept/reference.py: no unpacking of an all-allowed bitmask, no relaxed verdict when no
-    row is thinking), or, for float32 logits, it and SampleDraft run native kernels (sampling.py).
+    row is thinking), or, for float32 logits, it and SampleDraft run native kernels, as does float32 MoE
+    (native_ops.py).
     Attention that reads a float32 pool first becomes unispec's in-place CPU kernel (lowering.py), RoPE and
     a few reshaping round trips are fused (fusions.py), then each layer's RoPE, head reshapes, KV delta row and
     that attention become one node (attention_fusion.py), so do the log-probability outputs (logprobs.py)
@@ -66,10 +67,10 @@ def lower_graph(directory: Path, name: str, source: str = io.MODEL_NAME) -> None
     import onnxscript.optimizer
 
     import plugins
-    from engines.ort import attention_fusion, fusions, linear, logprobs, lowering, merge, quant, sampling
+    from engines.ort import attention_fusion, fusions, linear, logprobs, lowering, merge, native_ops, quant
 
     model = ir.load(directory / source)
-    sampling.lower(model)
+    native_ops.lower(model)
     plugins.attach_ort_functions(model)
     lowering.lower(model, lowering.find_pool_reads(onnx.load(str(directory / source), load_external_data=False)))
     fusions.fuse(model)

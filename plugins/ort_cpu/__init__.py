@@ -8,7 +8,7 @@ Ops: PagedAttentionPool / PagedAttentionPoolRows (paged_attention.cc), PagedAtte
 PagedAttentionRopeRows (paged_attention_rope.cc: a layer's RoPE, KV delta row and that attention), SpecAccept
 and SampleDraft (spec_accept.cc), PackedLinear (matmul.cc), SiluMul (silu_mul.cc: a quantized MLP's SwiGLU over its
 gate|up MatMulNBits), TokenLogprobs (token_logprobs.cc: a step's log-probability outputs), MergeDrafts (merge_drafts.cc: the merge
-of a step's tokens with its drafts); register.cc
+of a step's tokens with its drafts), MoE (moe.cc: DeepSeek's routed experts, the chosen ones only); register.cc
 adds them all to the domain. The sources (*.cc,
 *.h) ship with the package; the library is built with the system's C++ compiler (`$CXX`,
 else c++/g++) once per ISA variant (avx512, avx2, portable: chosen at run time by the CPU's flags) into a
@@ -43,7 +43,8 @@ __all__ = ["DOMAIN", "BuildError", "IsaError", "build", "cache_dir", "compiler",
 DOMAIN = "unispec.cpu"
 SOURCES = ("paged_attention.cc", "paged_attention_attend.h", "paged_attention_blocks.h", "paged_attention_pool.h",
            "paged_attention_rope.cc", "spec_accept.cc", "spec_accept_truncation.h", "matmul.cc", "matmul_tiles.h",
-           "matmul_group.h", "silu.h", "silu_mul.cc", "token_logprobs.cc", "merge_drafts.cc", "register.cc", "kernel.h", "ort_abi.h")
+           "matmul_group.h", "silu.h", "silu_mul.cc", "token_logprobs.cc", "merge_drafts.cc", "moe.cc", "register.cc",
+           "kernel.h", "ort_abi.h")
 FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 # glibc's vector math library: the sampling kernels' float64 exp, four lanes at a time on AVX2 (spec_accept.cc)
 VECTOR_MATH = ("-DUNISPEC_MVEC", "-lmvec") if sys.platform == "linux" and platform.machine() == "x86_64" else ()

@@ -131,5 +131,6 @@ const OrtCustomOp* paged_attention_rope_op(bool with_rows);  // paged_attention_
 const OrtCustomOp* silu_mul_op();                         // silu_mul.cc
 const OrtCustomOp* token_logprobs_op();                   // token_logprobs.cc
 const OrtCustomOp* merge_drafts_op();                     // merge_drafts.cc
+const OrtCustomOp* moe_op();                              // moe.cc
 
 }  // namespace unispec_cpu

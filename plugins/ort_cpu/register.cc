@@ -15,7 +15,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
       "unispec.cpu", &domain));
   for (const OrtCustomOp* op : {paged_attention_op(false), paged_attention_op(true), paged_attention_rope_op(false),
                                 paged_attention_rope_op(true), spec_accept_op(), sample_draft_op(),
-                                packed_linear_op(), silu_mul_op(), token_logprobs_op(), merge_drafts_op()})
+                                packed_linear_op(), silu_mul_op(), token_logprobs_op(), merge_drafts_op(), moe_op()})
     RETURN_IF_ERROR(call<OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*)>(g_api, CustomOpDomain_Add)(domain, op));
   return call<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(g_api, AddCustomOpDomain)(options, domain);
 }

@@ -362,7 +362,7 @@ def test_the_ort_graph_is_inlined_smaller_and_shares_the_weights_file(artifacts:
     flat = [f for f in full.functions if f.name == "SpecAccept"]
     assert flat and all({"Mod", "Softmax"} <= {n.op_type for n in f.node} for f in flat)
     assert not {"Mod", "Softmax"} & {n.op_type for n in ort_graph.graph.node}
-    # the speculative math runs as native kernels there (engines/ort/sampling.py): the verdict and one draft
+    # the speculative math runs as native kernels there (engines/ort/native_ops.py): the verdict and one draft
     # choice per draft step, the same nodes model.onnx has in the unispec domain
     native = Counter(n.op_type for n in ort_graph.graph.node if n.domain == ort_cpu.DOMAIN)
     exported = Counter(n.op_type for n in full.graph.node if n.op_type in ("SpecAccept", "SampleDraft"))
