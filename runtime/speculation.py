@@ -31,8 +31,8 @@
   (geometric mean) when it runs out of requests. Probes of a recorded choice wait RECORDED_PROBE steps and
   are made even when the gain looks out of reach; engines too short-lived to probe count the steps decided
   on recorded ratios, and the one that brings the count to PROBE_INTERVAL times both graphs (its probe lasts
-  WARMUP_STEPS + MIN_SAMPLES steps, so that a fresh engine's cold steps are left out). A record without a
-  ratio gets one when the engine opens (runtime/speculation_calibration.py).
+  WARMUP_STEPS + MIN_SAMPLES steps, so a fresh engine's cold steps are left out). A record without a ratio
+  gets one as the engine opens (speculation_calibration.py); a close call on few row-steps: BORDERLINE_REACH.
 
 Forcing: `speculation="always"` (the speculative graph every step) or `"never"` (target-only every step).
 Peers: vLLM turns speculation off above a batch size; TRT-LLM and SGLang adapt the draft length. The
@@ -70,6 +70,7 @@ FIRST_PROBE = 64           # steps in one mode before the first probe of the oth
 RECORDED_PROBE = 256       # ... when the ratio was measured by an earlier engine (runtime/speculation_record.py)
 PROBE_INTERVAL = 1024      # ... up to this
 PROBE_REACH = 0.5          # target-only probes speculation only if its expected gain is this share of the bar
+BORDERLINE_REACH = 0.85    # ... and at once, on new rows, when it is this close on a record of few row-steps
 BATCH_MARGIN = 0.10        # the bar rises by this share per doubling of the batch (see the module's note)
 BORROW_EXPONENT = 0.35     # a borrowed step-time ratio scales as (batch / measured batch) ** this
 
@@ -103,6 +104,7 @@ class SpeculationPolicy:
         self.stale_steps = self.known.stale_steps     # steps decided on recorded ratios since both were timed
         self._probe_after: dict[tuple[int, bool] | None, int] = {}  # steps before a probe (key: see choose)
         self._probing = False            # speculating on a probe: kept only over the bar to start
+        self._acceptance_probed = False  # this engine probed a recorded close call (see _probe)
 
     def choose(self, rows: Sequence[SequenceState]) -> str:
         """SPECULATIVE or TARGET_ONLY for the next step over (about) `rows`."""
@@ -140,6 +142,10 @@ class SpeculationPolicy:
             self.stale_steps = 0                  # time both graphs here, long enough to outlast their warm-up
             return True, WARMUP_STEPS + MIN_SAMPLES
         recorded = not own and (bucket, sampled) in self.known.ratios
+        if best == TARGET_ONLY and recorded and not self._acceptance_probed and reach >= BORDERLINE_REACH and \
+                self.known.accepted.get(sampled, (0.0, 0))[1] < PRIOR_WINDOW and _gap(rows) == 0:
+            self._acceptance_probed = True        # a close call on little evidence: see what these rows accept
+            return True, MIN_DWELL // 2
         key = (bucket, sampled) if best == SPECULATIVE else None                         # probes of target-only
         # by bucket, see the note; a recorded ratio has been measured already, by an earlier engine
         probe_after = self._probe_after.get(key, RECORDED_PROBE if recorded else FIRST_PROBE)

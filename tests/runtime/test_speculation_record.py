@@ -229,3 +229,19 @@ def test_stale_steps_alone_are_written_when_the_engine_is_let_go_onto_the_newer_
     assert file.load() == learned                              # acceptance it saw: written at once
     saver.close()
     assert file.load() == learned                              # nothing more to add
+
+
+def test_a_close_recorded_call_on_little_evidence_speculates_a_few_steps_to_see() -> None:
+    """DeepSeek-V3 + MTP after its MoE got cheaper: ratio 2.58 and 1.75 accepted drafts over 71 row-steps put the
+    gain (2.75 / 2.58 = 1.06) just under the 1.12 bar, so every fresh engine ran target-only and never saw
+    acceptance again, where speculating every step ran 1.21x. A close call on few row-steps is probed at once, on
+    new rows; a clear loss, or one seen over PRIOR_WINDOW row-steps, is not."""
+    def first_steps(record: CostRecord) -> list[str]:
+        policy, row = sp.SpeculationPolicy("auto", k=3, has_target_only=True, known=record), _row(0.0)
+        kinds = _steps(policy, [row], 1, accepted=2)          # the prefill: new rows, nothing to recompute
+        row.generated = [7]
+        return kinds + _steps(policy, [row], 11, accepted=2)
+    close = first_steps(CostRecord({(1, False): 2.58}, {False: (1.75, 71)}))
+    assert close[:sp.MIN_DWELL // 2] == [SPEC] * (sp.MIN_DWELL // 2)
+    assert first_steps(CostRecord({(1, False): 2.58}, {False: (1.75, sp.PRIOR_WINDOW)})) == [ONLY] * 12
+    assert first_steps(CostRecord({(1, False): 4.0}, {False: (1.75, 71)})) == [ONLY] * 12
