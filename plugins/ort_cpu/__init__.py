@@ -44,7 +44,7 @@ DOMAIN = "unispec.cpu"
 SOURCES = ("paged_attention.cc", "paged_attention_attend.h", "paged_attention_blocks.h", "paged_attention_pool.h",
            "paged_attention_rope.cc", "spec_accept.cc", "spec_accept_truncation.h", "matmul.cc", "matmul_tiles.h",
            "matmul_group.h", "silu.h", "silu_mul.cc", "token_logprobs.cc", "merge_drafts.cc", "moe.cc", "register.cc",
-           "kernel.h", "ort_abi.h")
+           "reduce.h", "kernel.h", "ort_abi.h")
 FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 # glibc's vector math library: the sampling kernels' float64 exp, four lanes at a time on AVX2 (spec_accept.cc)
 VECTOR_MATH = ("-DUNISPEC_MVEC", "-lmvec") if sys.platform == "linux" and platform.machine() == "x86_64" else ()

@@ -27,6 +27,8 @@
 #include <vector>
 
 #include "kernel.h"
+#include "reduce.h"   // dot
+#include "silu.h"     // swiglu
 
 namespace unispec_cpu {
 namespace {
@@ -37,13 +39,6 @@ struct Routing {
   int64_t k = 0, n_group = 0, topk_group = 0, norm = 0;
   float scale = 1.0f;
 };
-
-float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
 
 float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
@@ -110,7 +105,7 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   RETURN_IF_ERROR(make_output(context, 0, {tokens, hidden}, &data));
   auto* out = static_cast<float*>(data);
   std::vector<int64_t> chosen;
-  std::vector<float> weights, act(inter), sum(hidden);
+  std::vector<float> weights, gate(inter), up(inter), act(inter), sum(hidden);
   for (int64_t s = 0; s < tokens; ++s) {
     const float* xs = x + s * hidden;
     route(r, xs, gate_weight, bias, experts, hidden, &chosen, &weights);
@@ -118,9 +113,10 @@ OrtStatus* compute(void* kernel, OrtKernelContext* context) {
     for (int64_t i = 0; i < r.k; ++i) {
       const int64_t e = chosen[i];
       for (int64_t j = 0; j < inter; ++j) {
-        const float g = dot(w_gate + (e * inter + j) * hidden, xs, hidden);
-        act[j] = g * sigmoid(g) * dot(w_up + (e * inter + j) * hidden, xs, hidden);
+        gate[j] = dot(w_gate + (e * inter + j) * hidden, xs, hidden);
+        up[j] = dot(w_up + (e * inter + j) * hidden, xs, hidden);
       }
+      swiglu(gate.data(), up.data(), act.data(), inter);    // the SwiGLU every native kernel computes
       for (int64_t h = 0; h < hidden; ++h)
         sum[h] += dot(w_down + (e * hidden + h) * inter, act.data(), inter) * weights[i];
     }

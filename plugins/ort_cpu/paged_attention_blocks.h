@@ -1,5 +1,6 @@
-// The register blocks unispec.cpu::PagedAttentionPool is built of: dot products, scaled adds, the 8- and
-// 16-query score tiles, the two-query weighted sums of values, a vectorisable e^x, and prefetches.
+// The register blocks unispec.cpu::PagedAttentionPool is built of: dot products (one from reduce.h), scaled
+// adds, the 8- and 16-query score tiles, the two-query weighted sums of values, a vectorisable e^x, and
+// prefetches.
 // Included by paged_attention.cc alone (after its `#pragma GCC optimize`): one translation unit, so these
 // inline into its loops.
 
@@ -7,15 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "reduce.h"   // dot
+
 namespace unispec_cpu {
 namespace {
-
-float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
 
 // Four queries against one key at once: the key is loaded once and the four sums reduce side by side.
 void dot4(const float* const* q, const float* key, int64_t n, float* out) {

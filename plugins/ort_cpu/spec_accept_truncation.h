@@ -19,6 +19,7 @@
 #include <limits>
 #include <vector>
 
+#include "reduce.h"   // max_of
 #include "unispec_constants.h"   // generated at build time: kGreedyTemperature (plugins/ort_cpu/header.py)
 
 #if defined(UNISPEC_MVEC) && defined(__AVX2__)
@@ -37,9 +38,7 @@ bool is_greedy(float temperature) { return temperature < kGreedyTemperature; }
 // then its first index.
 int64_t argmax(const float* x, int64_t n) {
   if (n <= 0 || std::isnan(x[0])) return 0;
-  float top = x[0];
-#pragma omp simd reduction(max : top)
-  for (int64_t i = 1; i < n; ++i) top = x[i] > top ? x[i] : top;
+  const float top = max_of(x, n);
   for (int64_t i = 0; i < n; ++i)
     if (x[i] == top) return i;
   return 0;

@@ -25,7 +25,8 @@
 #include <vector>
 
 #include "kernel.h"
-#include "silu.h"   // exp_fma
+#include "reduce.h"   // max_of
+#include "silu.h"     // exp_fma
 
 namespace unispec_cpu {
 namespace {
@@ -40,24 +41,6 @@ struct Position {
   float* top;                  // [N]
   int64_t* top_ids;            // [N]
 };
-
-// The largest of x[0:n] (n >= 1), sixteen running maxima side by side: a max reduction over one accumulator is
-// a chain of dependent scalar maxss that the compiler does not vectorise (NaN ordering).
-float max_of(const float* x, int64_t n) {
-  float lanes[16];
-  std::fill(lanes, lanes + 16, x[0]);
-  int64_t v = 0;
-  for (; v + 16 <= n; v += 16)
-#pragma omp simd
-    for (int64_t i = 0; i < 16; ++i) {
-      const float a = lanes[i], b = x[v + i];
-      lanes[i] = a < b ? b : a;           // a select, not std::max's reference: vmaxps
-    }
-  float most = lanes[0];
-  for (int64_t i = 1; i < 16; ++i) most = most < lanes[i] ? lanes[i] : most;
-  for (; v < n; ++v) most = most < x[v] ? x[v] : most;
-  return most;
-}
 
 // One position's outputs from its logits row x [V] and the id it emitted.
 void one_position(const float* x, int64_t vocab, int64_t id, int64_t num_top, const Position& out) {
