@@ -1,4 +1,4 @@
-"""Checkpoint directories -> an artifact directory (DESIGN.md §6): `export_model`, and `read_artifact`
+"""Checkpoint directories -> an artifact directory (DESIGN.md §6): `write_artifact`, and `read_artifact`
 that checks one against its manifest (for `unispec inspect`).
 
 Everything is written under a hidden sibling of `out_dir` and moved into place at the end, so an
@@ -6,7 +6,7 @@ interrupted or failed export never leaves a half artifact, and what `out_dir` he
 the new artifact is complete, and only when it is an artifact (export/out_dir.py says what may be replaced):
 
   .<name>.tmp-<hex>/                 (next to out_dir)
-      trace/step.onnx(.data)         export_step's files, the weights copied one at a time (from the
+      trace/step.onnx(.data)         write_step's files, the weights copied one at a time (from the
                                      checkpoint file when unconverted); removed before the move
       model.onnx                     opset 24, IR 10, no weights
       model.onnx.data                every initializer; identical tensors (a drafter's copy of the
@@ -114,7 +114,7 @@ class ExportSettings:
                 f"graph; use at most {io.MAX_SPECULATIVE_TOKENS}")
 
 
-def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *, method: str,
+def write_artifact(target_dir: str | Path, draft_dir: str | Path | None = None, *, method: str,
                  num_speculative_tokens: int | None = None, out_dir: str | Path, dtype: str = "float32",
                  structured_output: bool = False, block_size: int = 16, max_model_len: int = 2048,
                  max_batch_size: int = 16, max_tokens_per_step: int = 512, target_only: bool = True,
@@ -136,7 +136,7 @@ def export_model(target_dir: str | Path, draft_dir: str | Path | None = None, *,
     `out_dir` may hold an earlier artifact (replaced); anything else is refused unless `force`, which
     writes the artifact's files into it and keeps every other file (export/out_dir.py). `lowerings` run on
     the finished artifact before it is moved into place (each an engines/<backend> `build`: artifact dir ->
-    files written; `unispec.export_model` passes the registered ones), so they are part of its atomicity.
+    files written; the public `unispec` entry passes the registered ones), so they are part of its atomicity.
     """
     settings = ExportSettings(method=method, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
                               structured_output=structured_output, block_size=block_size,
@@ -216,13 +216,13 @@ def _build(settings: ExportSettings, target_dir: Path, draft_dir: str | Path | N
 
 
 def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_size: int) -> onnx.ModelProto:
-    """torch.export + ONNX conversion (custom ops and their functions are export_step's business). The
+    """torch.export + ONNX conversion (custom ops and their functions are write_step's business). The
     graph comes back without its weights: they stay in `trace_dir`'s data file, read one at a time later."""
     import onnx
     import torch
 
     from export.awq_gptq import keep_int4, sources
-    from export.onnx_export import example_feeds, export_step
+    from export.onnx_export import example_feeds, write_step
     from export.quantization import quantize_passes
 
     bs = settings.block_size
@@ -232,7 +232,7 @@ def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_s
     for name in step.pool_shapes():
         feeds[name] = feeds[name].to(getattr(torch, settings.dtype))
     trace_dir.mkdir()
-    path = export_step(step, trace_dir / "step.onnx", feeds)
+    path = write_step(step, trace_dir / "step.onnx", feeds)
     model = onnx.load(str(path), load_external_data=False)
     keep_int4(model, sources(step))     # an AWQ / GPTQ checkpoint's linears get their own codes back
     for quantize, only in quantize_passes(settings.quantize, settings.draft_quantization):

@@ -136,7 +136,7 @@ def copy_region(source: Path, offset: int, length: int, out: BinaryIO) -> None:
             left -= len(chunk)
 
 
-def export_module(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: str | Path, *,
+def write_onnx(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: str | Path, *,
                   input_names: Sequence[str], output_names: Sequence[str], dynamic_shapes: object) -> Path:
     """Export any module that may call unispec custom ops (opset 24, IR 10) and save it at `path`, its
     initializers in `path`.data (save_streamed).
@@ -154,9 +154,9 @@ def export_module(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path:
     return Path(path)
 
 
-def export_step(step: UnifiedStep, path: str | Path, feeds: dict[str, torch.Tensor] | None = None) -> Path:
+def write_step(step: UnifiedStep, path: str | Path, feeds: dict[str, torch.Tensor] | None = None) -> Path:
     """Write `step` as ONNX at `path` with the contract's names and dynamic dimensions."""
     feeds = feeds or example_feeds(step)
     names = list(step.input_names)
-    return export_module(step, tuple(feeds[n] for n in names), path, input_names=names,
+    return write_onnx(step, tuple(feeds[n] for n in names), path, input_names=names,
                          output_names=step.output_names, dynamic_shapes=dynamic_shapes(names))

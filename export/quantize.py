@@ -20,7 +20,7 @@ x [..., K] ───────────────────────
   target-only graph's weights, are still stored once (dedupe_initializers, export/target_only.link_weights).
 - Streamed: an export's pass reads one float weight at a time from the trace's data file and appends its
   codes and scales to QUANTIZED_NAME beside it, so quantizing never holds the model (8B-shaped Llama +
-  Eagle3, int4: 2.77 GB peak RSS for a 16.9 GB checkpoint, benchmarks/export_memory.py).
+  Eagle3, int4: 2.77 GB peak RSS for a 16.9 GB checkpoint; the export memory benchmark under benchmarks/).
 - The lm_head (a linear whose float output reaches no other linear: logits only feed sampling) is quantized
   only when asked; embeddings (Gather) stay float. A weight also read by another op keeps its float copy.
 - The MoE op's expert stacks and a batched MatMul's weight (MLA's absorbed up-projections) are quantized

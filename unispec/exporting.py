@@ -31,8 +31,8 @@ def export_lowerings() -> tuple[Lowering, ...]:
 
 
 def export_model(*args: Any, **kwargs: Any) -> Path:
-    """export/artifact.py `export_model` (same arguments) with export_lowerings() run before the rename."""
+    """export/artifact.py `write_artifact` (same arguments) with export_lowerings() run before the rename."""
     from export import artifact
 
     kwargs.setdefault("lowerings", export_lowerings())
-    return artifact.export_model(*args, **kwargs)
+    return artifact.write_artifact(*args, **kwargs)

@@ -266,7 +266,7 @@ def test_export_writes_portable_graphs_and_the_ort_build_lowers_them(artifacts: 
     """Issue 38: export/ writes the portable graphs only; engines.ort.build, run on the finished artifact,
     lowers each one the manifest names and records it in the graph map, as `unispec export` has it done."""
     reuse_trace(monkeypatch, artifacts["eagle3"])
-    out = artifact.export_model(checkpoints["target"], checkpoints["draft"], method="eagle3",
+    out = artifact.write_artifact(checkpoints["target"], checkpoints["draft"], method="eagle3",
                                 num_speculative_tokens=K, out_dir=tmp_path / "art", progress=False)
     assert not list(out.glob("*.ort.onnx"))
     assert Manifest.load(out).graphs == {io.STEP: {io.PORTABLE: io.MODEL_NAME},

@@ -116,7 +116,7 @@ BAD = [
 @pytest.mark.parametrize(("name", "change", "message"), BAD, ids=[b[2][7:30] for b in BAD])
 def test_bad_int4_checkpoints_fail_in_one_line_before_anything_is_written(
         name: str, change: dict, message: str, tiny_pair: dict, tmp_path: Path) -> None:
-    from export.artifact import export_model
+    from export.artifact import write_artifact as export_model
 
     make_int4(tiny_pair["target"], tmp_path / "ckpt", name, **change)
     with pytest.raises(UnispecError, match=message) as caught:

@@ -78,7 +78,7 @@ def fp8_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 
 def test_a_block_that_does_not_divide_k_names_the_tensor_and_writes_nothing(fp8_pair: dict, tmp_path: Path) -> None:
-    from export.artifact import export_model
+    from export.artifact import write_artifact as export_model
 
     target = tmp_path / "target"
     target.mkdir()
@@ -92,7 +92,7 @@ def test_a_block_that_does_not_divide_k_names_the_tensor_and_writes_nothing(fp8_
 
 
 def test_an_unsupported_quant_method_is_refused_in_one_line(fp8_pair: dict, tmp_path: Path) -> None:
-    from export.artifact import export_model
+    from export.artifact import write_artifact as export_model
 
     target = tmp_path / "target"
     target.mkdir()

@@ -268,7 +268,7 @@ def test_a_step_quantizes_the_target_linears_target_only_does_when_its_head_read
 # --- streamed: weights that stay in the trace's file (issue 36) -------------------------------------------------
 
 def _on_disk(model: onnx.ModelProto, trace: Path) -> onnx.ModelProto:
-    """`model` as export_step leaves a trace: every tensor in trace/step.onnx.data, the graph read without it."""
+    """`model` as write_step leaves a trace: every tensor in trace/step.onnx.data, the graph read without it."""
     trace.mkdir()
     copy = onnx.ModelProto()
     copy.CopyFrom(model)                          # save_model moves a model's own tensors out

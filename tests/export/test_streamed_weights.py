@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from export import onnx_export, onnx_files
 from export.checkpoint import Checkpoint, file_region
-from export.onnx_export import export_module
+from export.onnx_export import write_onnx
 from export.onnx_files import dedupe_initializers, save_with_external_weights
 from runtime import manifest as io
 
@@ -53,7 +53,7 @@ def test_weights_streamed_from_a_trace_file_equal_onnx_save_byte_for_byte(tmp_pa
     trace, streamed, reference = (tmp_path / name for name in ("trace", "streamed", "reference"))
     for folder in (trace, streamed, reference):
         folder.mkdir()
-    # the trace as export_step leaves it: every tensor in step.onnx.data, the graph read without it
+    # the trace as write_step leaves it: every tensor in step.onnx.data, the graph read without it
     onnx.save_model(shared_weights_graph(), str(trace / "step.onnx"), save_as_external_data=True,
                     location="step.onnx.data", size_threshold=0)
     model = onnx.load(str(trace / "step.onnx"), load_external_data=False)
@@ -108,7 +108,7 @@ def test_exported_module_takes_its_weight_from_the_checkpoint_file(linear_checkp
     module = torch.nn.Linear(16, 24, bias=False)
     module.weight = torch.nn.Parameter(weight, requires_grad=False)
     x = torch.randn(3, 16)
-    path = export_module(module, (x,), tmp_path / "linear.onnx", input_names=["x"], output_names=["y"],
+    path = write_onnx(module, (x,), tmp_path / "linear.onnx", input_names=["x"], output_names=["y"],
                          dynamic_shapes=None)
     graph = onnx.load(str(path), load_external_data=False).graph
     assert all(onnx_files.is_external(t) for t in graph.initializer)

@@ -1,7 +1,7 @@
 """The export path every plugin test walks: custom ops in a torch module -> ONNX with unispec nodes ->
 reference functions attached -> onnx.checker(full_check) -> ONNX Runtime, compared with torch.
 
-`export_with_plugins` does what export/onnx_export.py:export_step does (translation table, attach after
+`export_with_plugins` does what export/onnx_export.py:write_step does (translation table, attach after
 export, save), on any module, with every input dim dynamic.
 """
 

@@ -93,7 +93,7 @@ def test_q_and_v_set_exports_progress(monkeypatch, tmp_path: Path, flags: list[s
         seen.update(options)
         return tmp_path / "art"
 
-    monkeypatch.setattr(export.artifact, "export_model", fake_export)
+    monkeypatch.setattr(export.artifact, "write_artifact", fake_export)
     result = CliRunner().invoke(main, [*flags, "export", "--target", str(tmp_path), "--out", str(tmp_path / "art")])
     assert result.exit_code == 0, result.output
     assert seen["progress"] == progress and result.output == f"artifact: {tmp_path / 'art'}\n"

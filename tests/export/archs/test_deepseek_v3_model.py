@@ -23,7 +23,7 @@ from export.archs.deepseek_v3.model import DeepseekV3Target
 from export.archs.deepseek_v3.moe import route
 from export.archs.deepseek_v3.weights import adapt_block, adapt_target
 from export.checkpoint import Checkpoint, dequantize_fp8_blocks
-from export.onnx_export import export_module
+from export.onnx_export import write_onnx
 from export.paged import PagedPools
 from runtime.errors import CheckpointError, ExportError
 
@@ -285,7 +285,7 @@ def test_onnx_export_keeps_dynamic_dims_and_matches_torch(tmp_path: Path) -> Non
     dynamic = {"tokens": {0: s}, "row_offsets": {0: b + 1}, "positions": {0: s}, "cache_lengths": {0: b},
                "block_table": {0: b, 1: max_blocks}, "kv_pool": {0: blocks}}
     path = tmp_path / "deepseek_v3_step.onnx"
-    export_module(model, example, path, dynamic_shapes=dynamic,
+    write_onnx(model, example, path, dynamic_shapes=dynamic,
                       input_names=list(INPUTS), output_names=list(OUTPUTS))
 
     proto = onnx.load(str(path))

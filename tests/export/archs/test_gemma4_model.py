@@ -18,7 +18,7 @@ import torch
 from export.archs.gemma4.config import FULL, SLIDING, Gemma4TextConfig
 from export.archs.gemma4.model import DELTA_NAMES, POOL_NAMES, Gemma4Target, pool_shapes, rope_inv_freq
 from export.archs.gemma4.weights import adapt_gemma4
-from export.onnx_export import export_module
+from export.onnx_export import write_onnx
 from export.paged import PagedPools
 from runtime.errors import CheckpointError, ExportError
 
@@ -254,7 +254,7 @@ def test_onnx_export_keeps_dynamic_dims_and_matches_torch(tmp_path: Path) -> Non
     dynamic = {"tokens": {0: s}, "row_offsets": {0: b + 1}, "positions": {0: s}, "cache_lengths": {0: b},
                "block_table": {0: b, 1: max_blocks}, "kv_pool": {0: blocks}, "full_kv_pool": {0: blocks}}
     path = tmp_path / "gemma4_step.onnx"
-    export_module(model, example, path, dynamic_shapes=dynamic,
+    write_onnx(model, example, path, dynamic_shapes=dynamic,
                       input_names=list(INPUTS), output_names=list(OUTPUTS))
 
     proto = onnx.load(str(path))

@@ -18,7 +18,7 @@ from export.archs.common import rms_norm
 from export.archs.llama3.config import Llama3Config
 from export.archs.llama3.model import Llama3Target, rope_inv_freq
 from export.archs.llama3.weights import adapt_llama3
-from export.onnx_export import export_module
+from export.onnx_export import write_onnx
 from export.paged import PagedPools
 from runtime.errors import CheckpointError, ExportError
 
@@ -223,7 +223,7 @@ def test_onnx_export_keeps_dynamic_dims_and_matches_torch(tmp_path: Path) -> Non
     dynamic = {"tokens": {0: s}, "row_offsets": {0: b + 1}, "positions": {0: s}, "cache_lengths": {0: b},
                "block_table": {0: b, 1: max_blocks}, "kv_pool": {0: blocks}}
     path = tmp_path / "llama3_step.onnx"
-    export_module(model, example, path, dynamic_shapes=dynamic,
+    write_onnx(model, example, path, dynamic_shapes=dynamic,
                       input_names=list(INPUTS), output_names=list(OUTPUTS))
 
     proto = onnx.load(str(path))

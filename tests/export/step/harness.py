@@ -82,9 +82,9 @@ def check_onnx_matches_torch(step: UnifiedStep, path, vocab: int, *, atol: float
     import onnx
     import onnxruntime as ort
 
-    from export.onnx_export import example_feeds, export_step
+    from export.onnx_export import example_feeds, write_step
 
-    export_step(step, path, example_feeds(step, vocab=vocab))
+    write_step(step, path, example_feeds(step, vocab=vocab))
     model = onnx.load(str(path), load_external_data=False)
     assert model.ir_version == 10 and any(o.domain == "" and o.version == 24 for o in model.opset_import)
     assert [i.name for i in model.graph.input] == list(step.input_names)

@@ -106,10 +106,10 @@ def test_spec_accept_always_gets_a_bitmask_and_draft_probs(tmp_path, k: int) -> 
     K = 0 graphs an empty q; graphs with drafts feed their `draft_probs` input."""
     import onnx
 
-    from export.onnx_export import export_step
+    from export.onnx_export import write_step
 
     baseline, spec = _steps(1)
-    model = onnx.load(str(export_step(spec if k else baseline, tmp_path / "step.onnx")), load_external_data=False)
+    model = onnx.load(str(write_step(spec if k else baseline, tmp_path / "step.onnx")), load_external_data=False)
     (node,) = [n for n in model.graph.node if n.op_type == "SpecAccept"]
     assert len(node.input) == 10 and node.input[8] and node.input[9]
     assert "token_bitmask" not in [i.name for i in model.graph.input]
