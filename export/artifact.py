@@ -218,9 +218,9 @@ def _build(settings: ExportSettings, target_dir: Path, draft_dir: str | Path | N
 def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_size: int) -> onnx.ModelProto:
     """torch.export + ONNX conversion (custom ops and their functions are write_step's business). The
     graph comes back without its weights: they stay in `trace_dir`'s data file, read one at a time later."""
-    import onnx
     import torch
 
+    from export import stamp
     from export.awq_gptq import keep_int4, sources
     from export.onnx_export import example_feeds, write_step
     from export.quantization import quantize_passes
@@ -232,8 +232,8 @@ def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_s
     for name in step.pool_shapes():
         feeds[name] = feeds[name].to(getattr(torch, settings.dtype))
     trace_dir.mkdir()
-    path = write_step(step, trace_dir / "step.onnx", feeds)
-    model = onnx.load(str(path), load_external_data=False)
+    # a deep target: a few layers traced, the rest stamped from them (export/stamp.py)
+    model = stamp.trace(step, lambda **how: write_step(step, trace_dir / "step.onnx", feeds, **how), trace_dir)
     keep_int4(model, sources(step))     # an AWQ / GPTQ checkpoint's linears get their own codes back
     for quantize, only in quantize_passes(settings.quantize, settings.draft_quantization):
         # one weight at a time from the trace's data (codes and scales to a file beside it); the step and the

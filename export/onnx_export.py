@@ -88,8 +88,9 @@ def dynamic_shapes(names: Sequence[str]) -> tuple[tuple[dict[int, object], ...]]
     return (tuple(shapes),)
 
 
-def save_streamed(model: ir.Model, path: Path) -> None:
-    """`path` (the graph) + `path`.data (every initializer), one tensor at a time, in initializer order.
+def save_streamed(model: ir.Model, path: Path, *, append: bool = False) -> None:
+    """`path` (the graph) + `path`.data (every initializer), one tensor at a time, in initializer order;
+    `append`: initializers already in the data file stay where they are, the others are added after them.
 
     A weight that is a view of a checkpoint file's map (export/checkpoint.py file_region) is copied from
     that file in chunks, so it never becomes resident; any other tensor is written from memory. The
@@ -102,7 +103,7 @@ def save_streamed(model: ir.Model, path: Path) -> None:
     from export.onnx_files import EXTERNAL_MIN_BYTES
 
     location = path.name + ".data"
-    with open(path.parent / location, "wb") as data:
+    with open(path.parent / location, "ab" if append else "wb") as data:
         for value in model.graph.initializers.values():
             tensor = value.const_value
             if tensor is None or isinstance(tensor, (ir.ExternalTensor, ir.StringTensor)):
@@ -137,26 +138,46 @@ def copy_region(source: Path, offset: int, length: int, out: BinaryIO) -> None:
 
 
 def write_onnx(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: str | Path, *,
-                  input_names: Sequence[str], output_names: Sequence[str], dynamic_shapes: object) -> Path:
+               input_names: Sequence[str], output_names: Sequence[str], dynamic_shapes: object,
+               finish: bool = True) -> Path:
     """Export any module that may call unispec custom ops (opset 24, IR 10) and save it at `path`, its
     initializers in `path`.data (save_streamed).
 
     Custom ops (plugins/) become single `unispec` nodes; their reference functions are attached after the
-    export, because the exporter inlines every function it is given (DESIGN.md §4).
+    export, because the exporter inlines every function it is given (DESIGN.md §4). `finish=False` saves the
+    graph as traced, neither optimized nor with functions: export/stamp.py adds layers, then calls
+    `finish_graph`.
     """
     with fast_rules():      # the exporter's optimize step, without its O(N²) rule (plugins/onnx_optimizer.py)
         program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=OPSET,
                                     input_names=list(input_names), output_names=list(output_names),
-                                    dynamic_shapes=dynamic_shapes, verbose=False,
+                                    dynamic_shapes=dynamic_shapes, verbose=False, optimize=finish,
                                     custom_translation_table=plugins.custom_translation_table())
-    plugins.attach_functions_ir(program.model)
+    if finish:
+        plugins.attach_functions_ir(program.model)
     save_streamed(program.model, Path(path))
     return Path(path)
 
 
-def write_step(step: UnifiedStep, path: str | Path, feeds: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write `step` as ONNX at `path` with the contract's names and dynamic dimensions."""
+def finish_graph(path: Path) -> None:
+    """What write_onnx leaves out with `finish=False`, done to the graph saved at `path`: the exporter's
+    optimizer (folding, common subexpressions), then the custom ops' functions; constants it makes are
+    appended to the data file."""
+    import onnx_ir as ir
+    from onnxscript import optimizer
+
+    model = ir.load(path)                        # weights stay in the data file, read only where folded
+    with fast_rules():
+        optimizer.optimize_ir(model)
+    plugins.attach_functions_ir(model)
+    save_streamed(model, path, append=True)
+
+
+def write_step(step: UnifiedStep, path: str | Path, feeds: dict[str, torch.Tensor] | None = None, *,
+               finish: bool = True) -> Path:
+    """Write `step` as ONNX at `path` with the contract's names and dynamic dimensions (`finish`: as in
+    write_onnx)."""
     feeds = feeds or example_feeds(step)
     names = list(step.input_names)
     return write_onnx(step, tuple(feeds[n] for n in names), path, input_names=names,
-                         output_names=step.output_names, dynamic_shapes=dynamic_shapes(names))
+                      output_names=step.output_names, dynamic_shapes=dynamic_shapes(names), finish=finish)

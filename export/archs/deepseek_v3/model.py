@@ -71,6 +71,8 @@ class DeepseekV3Target(nn.Module):
     """The target step module; load weights with `load_state_dict(adapt_target(checkpoint, config))`."""
 
     pool_names = (io.KV_POOL,)                      # the forward's pool inputs, in order
+    stampable = True                                # export/stamp.py may trace a few layers and copy the rest
+    skip_layers: frozenset[int] = frozenset()       # layers the forward leaves out (only while stamp.py traces)
 
     def __init__(self, config: DeepseekV3Config, *, num_logits: int = 1, capture_layers: Sequence[int] = (),
                  absorb: bool = True) -> None:
@@ -117,6 +119,8 @@ class DeepseekV3Target(nn.Module):
         deltas: list[torch.Tensor] = []
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if i in self.skip_layers:
+                continue
             h, kv_new = layer(h, past[i], rope, row_offsets, positions, cache_lengths)
             deltas.append(kv_new)
             if i in self.capture_layers:

@@ -150,6 +150,8 @@ class Llama3Target(nn.Module):
     """The Llama 3 target step: see the module docstring for inputs and outputs."""
 
     pool_names = (io.KV_POOL,)                      # the forward's pool inputs, in order
+    stampable = True                                # export/stamp.py may trace a few layers and copy the rest
+    skip_layers: frozenset[int] = frozenset()       # layers the forward leaves out (only while stamp.py traces)
 
     def __init__(self, config: Llama3Config, *, num_logits: int = 1,
                  capture_layers: Sequence[int] = ()) -> None:
@@ -197,10 +199,12 @@ class Llama3Target(nn.Module):
         x = self.embed_tokens(tokens)                                                     # [S, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)                        # [S, D]
         past = gather_pool(kv_pool, block_table).to(x.dtype)                              # [L, B, P, W]
-        outputs, kv_rows = [], []
+        outputs, kv_rows = {}, []
         for i, layer in enumerate(self.layers):
+            if i in self.skip_layers:
+                continue
             x, kv = layer(x, cos, sin, past[i], row_offsets, positions, cache_lengths)
-            outputs.append(x)
+            outputs[i] = x
             kv_rows.append(kv)
         hidden = self.norm(x)                                                             # [S, H]
         if self.capture_layers:
