@@ -16,8 +16,12 @@ import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from plugins.onnx_optimizer import fast_rules
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
 from plugins.quiet import quiet_libraries
 from runtime import manifest as io
 
@@ -27,6 +31,7 @@ BACKEND = "ort"                   # its name in runtime/backends BACKENDS and in
 SUFFIX = ".ort.onnx"
 # libraries whose notes while optimizing (onnx_ir's initializer deduplication, per If branch) need nothing done
 _QUIET_LOGGERS = ("onnxscript", "onnx_ir", "onnx")
+FOLDED_WEIGHT_ELEMENTS = 1 << 20   # see _not_from_weights
 
 
 def build(artifact_dir: str | Path, recipe: object | None = None) -> list[str]:
@@ -75,7 +80,7 @@ def lower_graph(directory: Path, name: str, source: str = io.MODEL_NAME) -> None
     lowering.lower(model, lowering.find_pool_reads(onnx.load(str(directory / source), load_external_data=False)))
     fusions.fuse(model)
     with _quiet(), fast_rules():
-        onnxscript.optimizer.optimize_ir(model)
+        onnxscript.optimizer.optimize_ir(model, should_fold=_not_from_weights)
     attention_fusion.fuse(model)    # a layer's RoPE, head views, delta row and attention: one node
     logprobs.fuse(model)            # the log-probability outputs: one node
     merge.fuse(model)               # the merge of a step's tokens with its drafts: one node
@@ -83,6 +88,17 @@ def lower_graph(directory: Path, name: str, source: str = io.MODEL_NAME) -> None
     linear.lower(model)
     fusions.drop_unread_statistics(model)
     _replace(directory / name, lambda tmp: ir.save(model, tmp))
+
+
+def _not_from_weights(node: ir.Node) -> bool | None:
+    """The optimizer folds nothing computed from a weight of FOLDED_WEIGHT_ELEMENTS or more: the lowered graph
+    would hold a second copy of it inline (MoE's reference transposes every expert stack: 1.5 GB a graph for a
+    61-layer bfloat16 DeepSeek-V3 shape), which ONNX Runtime computes once when it loads the graph anyway."""
+    for value in node.inputs:
+        tensor = value.const_value if value is not None and value.is_initializer() else None
+        if tensor is not None and tensor.size >= FOLDED_WEIGHT_ELEMENTS:
+            return False
+    return None
 
 
 def _replace(path: Path, write: Callable[[Path], object]) -> None:
