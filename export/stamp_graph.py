@@ -129,6 +129,13 @@ def _pool_gathers(g: _Graph, plan: StampPlan) -> dict[int, int]:
         raise StampDeclined(f"no single pool value gathered by every traced layer ({len(common)} found)")
     (pool,) = common
     gathers = {j: candidates[j][pool] for j in plan.traced}
+    for t, _, _ in plan.runs:
+        # _signature hides the value of a Constant node of the layer that makes the index: another node of the
+        # layer reading it could be using the layer index, which a copy would not change
+        index = g.nodes[gathers[t]].input[1]
+        made_here = index in g.producer and g.layer[g.producer[index][0]] == t
+        if made_here and any(c != gathers[t] and g.layer[c] == t for c in g.consumers[index]):
+            raise StampDeclined(f"layer {t} reads its index other than to gather its pool rows")
     for j, i in gathers.items():
         if g.layer[i] is None:
             g.layer[i] = j
