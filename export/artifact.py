@@ -160,7 +160,7 @@ def write_artifact(target_dir: str | Path, draft_dir: str | Path | None = None, 
         step = _build(settings, target_dir, draft_dir)
         with staging(plan) as tmp:
             stages.start("trace + export")
-            model = _trace(step, tmp / "trace", settings, sources["vocab_size"])
+            model = _trace(step, tmp / "trace", settings, sources["vocab_size"], stages.note)
             stages.start("write weights")
             save_with_external_weights(model, tmp, tmp / "trace")
             del model
@@ -169,7 +169,7 @@ def write_artifact(target_dir: str | Path, draft_dir: str | Path | None = None, 
             graph = _check_graph(tmp / io.MODEL_NAME, step)
             if step.k and settings.target_only:         # no line for a stage that does nothing
                 stages.start("target-only graph")
-            only = _target_only(step, tmp, settings, sources["vocab_size"])
+            only = _target_only(step, tmp, settings, sources["vocab_size"], stages.note)
             stages.start("write manifest")
             tokenizer = _copy_tokenizer(target_dir, sources["config"], tmp)
             _manifest(graph, step, settings, sources, tokenizer, tmp, only).write(tmp)
@@ -215,7 +215,8 @@ def _build(settings: ExportSettings, target_dir: Path, draft_dir: str | Path | N
     return step.eval()
 
 
-def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_size: int) -> onnx.ModelProto:
+def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_size: int,
+           note: Callable[[str], None]) -> onnx.ModelProto:
     """torch.export + ONNX conversion (custom ops and their functions are write_step's business). The
     graph comes back without its weights: they stay in `trace_dir`'s data file, read one at a time later."""
     import torch
@@ -233,7 +234,7 @@ def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_s
         feeds[name] = feeds[name].to(getattr(torch, settings.dtype))
     trace_dir.mkdir()
     # a deep target: a few layers traced, the rest stamped from them (export/stamp.py)
-    model = stamp.trace(step, lambda **how: write_step(step, trace_dir / "step.onnx", feeds, **how), trace_dir)
+    model = stamp.trace(step, lambda **how: write_step(step, trace_dir / "step.onnx", feeds, **how), trace_dir, note)
     keep_int4(model, sources(step))     # an AWQ / GPTQ checkpoint's linears get their own codes back
     for quantize, only in quantize_passes(settings.quantize, settings.draft_quantization):
         # one weight at a time from the trace's data (codes and scales to a file beside it); the step and the
@@ -242,7 +243,8 @@ def _trace(step: UnifiedStep, trace_dir: Path, settings: ExportSettings, vocab_s
     return model
 
 
-def _target_only(step: UnifiedStep, tmp: Path, settings: ExportSettings, vocab_size: int) -> io.TargetOnlyGraph | None:
+def _target_only(step: UnifiedStep, tmp: Path, settings: ExportSettings, vocab_size: int,
+                 note: Callable[[str], None]) -> io.TargetOnlyGraph | None:
     """The target-only graph of a speculative step (export/target_only.py); None for `none` or when not asked."""
     from export.step.sequential import TargetOnlyStep
     from export.target_only import write_target_only
@@ -250,7 +252,7 @@ def _target_only(step: UnifiedStep, tmp: Path, settings: ExportSettings, vocab_s
     if step.k == 0 or not settings.target_only:
         return None
     only = TargetOnlyStep.of(step)
-    model = _trace(only, tmp / "trace", settings, vocab_size)
+    model = _trace(only, tmp / "trace", settings, vocab_size, note)
     graph = write_target_only(model, tmp, only, tmp / "trace")
     shutil.rmtree(tmp / "trace")
     return graph

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 __all__ = ["STAGES", "STAGES_DONE", "Stages"]
@@ -22,7 +23,7 @@ class Stages:
     def __init__(self, progress: bool | Literal["bar", "lines"] | None) -> None:
         if progress is None or progress is True:
             progress = "bar" if sys.stderr.isatty() else "lines"
-        self.mode, self.bar, self.current = progress or None, None, None
+        self.mode, self.bar, self.current, self.notes = progress or None, None, None, []
         self.started = self.stage_started = time.perf_counter()
 
     def __enter__(self) -> Stages:
@@ -38,17 +39,22 @@ class Stages:
 
     def start(self, stage: str) -> None:
         self._finish_line()
-        self.current, self.stage_started = stage, time.perf_counter()
+        self.current, self.stage_started, self.notes = stage, time.perf_counter(), []
         if self.bar is not None:
             self.bar.update(self.task, description=stage, completed=STAGES.index(stage))
 
+    def note(self, text: str) -> None:
+        """A few words on how the current stage went, printed after its time (lines mode)."""
+        self.notes.append(text)
+
     def _finish_line(self) -> None:
         if self.current is not None:
-            self._line(STAGES_DONE[STAGES.index(self.current)], self.stage_started)
+            self._line(STAGES_DONE[STAGES.index(self.current)], self.stage_started, self.notes)
 
-    def _line(self, what: str, since: float) -> None:
+    def _line(self, what: str, since: float, notes: Sequence[str] = ()) -> None:
         if self.mode == "lines":
-            print(f"[export] {what:<24}  {time.perf_counter() - since:6.1f} s", file=sys.stderr, flush=True)
+            said = "".join(f"  ({text})" for text in notes)
+            print(f"[export] {what:<24}  {time.perf_counter() - since:6.1f} s{said}", file=sys.stderr, flush=True)
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         if kind is None:

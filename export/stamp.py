@@ -39,11 +39,12 @@ from export.stamp_graph import StampDeclined, StampPlan, stamp_layers
 ALL_LAYERS_ENV = "UNISPEC_EXPORT_ALL_LAYERS"     # "1": trace every layer (for comparisons)
 
 
-def trace(step: nn.Module, write: Callable[..., Path], trace_dir: Path) -> onnx.ModelProto:
+def trace(step: nn.Module, write: Callable[..., Path], trace_dir: Path,
+          note: Callable[[str], None] = lambda _: None) -> onnx.ModelProto:
     """The graph `write(finish=...)` saves (export/onnx_export.write_step; its weights left in `trace_dir`),
     traced with `plan_for`'s layers, stamped, then optimized as the exporter would have (so what it folds,
     a norm weight's cast or MLA's weight slices, is folded in every layer); every layer traced when there is
-    no plan or stamping declines."""
+    no plan or stamping declines. `note` hears which, in a few words (export's progress lines)."""
     from export.onnx_export import finish_graph
 
     plan = plan_for(step)
@@ -55,12 +56,14 @@ def trace(step: nn.Module, write: Callable[..., Path], trace_dir: Path) -> onnx.
                    **dict(step.named_buffers(remove_duplicate=False))}
         try:
             stamp_layers(model, plan, tensors, trace_dir)
-        except StampDeclined:
+        except StampDeclined as why:
+            note(f"every layer traced: {why}")
             for file in trace_dir.iterdir():
                 file.unlink()
         else:
             onnx.save(model, str(path))
             finish_graph(path)
+            note(f"{len(plan.traced)} of {plan.num_layers} target layers traced, the rest stamped")
             return onnx.load(str(path), load_external_data=False)
     return onnx.load(str(write()), load_external_data=False)
 

@@ -142,8 +142,10 @@ def test_a_declined_stamp_changes_nothing_and_the_trace_falls_back_to_every_laye
         raise stamp_graph.StampDeclined("layer 1 matches no other traced layer of its kind")
 
     monkeypatch.setattr(stamp, "stamp_layers", decline)
-    stamp.trace(step, write, tmp_path)
+    notes: list[str] = []
+    stamp.trace(step, write, tmp_path, notes.append)
     assert calls == [(plan.skipped, False), (frozenset(), True)]
+    assert notes == ["every layer traced: layer 1 matches no other traced layer of its kind"]
     assert step.target.skip_layers == frozenset()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import warnings
@@ -40,7 +41,8 @@ def test_export_in_a_subprocess_prints_stage_lines_and_nothing_of_other_packages
     assert done.stdout == f"artifact: {out}\n"
     lines = done.stderr.splitlines()
     assert not [line for line in lines if any(word in line for word in FOREIGN)], done.stderr
-    assert all(line.startswith("[export] ") and line.endswith(" s") for line in lines), done.stderr
+    # a stage's seconds, then what it says of itself, if anything (a deep target's trace: the layers it traced)
+    assert all(re.fullmatch(r"\[export\] .+ +\d+\.\d s(  \(.+\))?", line) for line in lines), done.stderr
     assert [line.split("  ")[0].removeprefix("[export] ") for line in lines] == [
         "read checkpoints", "built step", "traced step graph", "wrote weights", "checked graph",
         "wrote manifest", "backend graphs", "done"]
@@ -74,10 +76,13 @@ def test_export_stages_are_lines_with_seconds_when_stderr_is_not_a_terminal(caps
     with _Stages(None) as stages:                    # pytest's stderr is no terminal
         stages.start("read checkpoints")
         stages.start("trace + export")
+        stages.note("4 of 8 target layers traced, the rest stamped")
     lines = capsys.readouterr().err.splitlines()
     assert [line.split("  ")[0] for line in lines] == ["[export] read checkpoints", "[export] traced step graph",
                                                       "[export] done"]
-    assert all(float(line.split()[-2]) >= 0 and line.endswith(" s") for line in lines)
+    assert lines[1].endswith(" s  (4 of 8 target layers traced, the rest stamped)")
+    assert all(float(re.search(r"(\d+\.\d) s", line)[1]) >= 0 for line in lines)
+    assert lines[0].endswith(" s") and lines[2].endswith(" s")
     with _Stages(False) as stages:
         stages.start("read checkpoints")
     assert capsys.readouterr().err == ""
