@@ -8,7 +8,7 @@ parameters, so no branch of the graph is specialised away.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -99,7 +99,6 @@ def save_streamed(model: ir.Model, path: Path, *, append: bool = False) -> None:
     """
     import onnx_ir as ir
 
-    from export.checkpoint import file_region
     from export.onnx_files import EXTERNAL_MIN_BYTES
 
     location = path.name + ".data"
@@ -111,15 +110,24 @@ def save_streamed(model: ir.Model, path: Path, *, append: bool = False) -> None:
             if tensor.nbytes < EXTERNAL_MIN_BYTES:   # shape constants stay inline: ONNX shape inference reads them
                 continue
             raw = getattr(tensor, "raw", None)       # torch.onnx's TorchTensor wraps the module's tensor
-            region = file_region(raw) if isinstance(raw, torch.Tensor) else None
-            offset = data.tell()
-            if region is None:
-                data.write(tensor.tobytes())
-            else:
-                copy_region(*region, data)
-            value.const_value = ir.ExternalTensor(location, offset, data.tell() - offset, tensor.dtype,
+            offset, length = append_weight(data, raw if isinstance(raw, torch.Tensor) else None, tensor.tobytes)
+            value.const_value = ir.ExternalTensor(location, offset, length, tensor.dtype,
                                                   shape=tensor.shape, name=value.name, base_dir=path.parent)
     ir.save(model, path)
+
+
+def append_weight(out: BinaryIO, tensor: torch.Tensor | None, to_bytes: Callable[[], bytes]) -> tuple[int, int]:
+    """One weight appended to the open data file `out`: copied from its checkpoint file in chunks when
+    `tensor` is a view of one (export/checkpoint.py file_region), else `to_bytes()`. Returns (offset, length)."""
+    from export.checkpoint import file_region
+
+    region = file_region(tensor) if tensor is not None else None
+    offset = out.tell()
+    if region is None:
+        out.write(to_bytes())
+    else:
+        copy_region(*region, out)
+    return offset, out.tell() - offset
 
 
 def copy_region(source: Path, offset: int, length: int, out: BinaryIO) -> None:
@@ -148,29 +156,34 @@ def write_onnx(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: st
     graph as traced, neither optimized nor with functions: export/stamp.py adds layers, then calls
     `finish_graph`.
     """
-    with fast_rules():      # the exporter's optimize step, without its O(N²) rule (plugins/onnx_optimizer.py)
-        program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=OPSET,
-                                    input_names=list(input_names), output_names=list(output_names),
-                                    dynamic_shapes=dynamic_shapes, verbose=False, optimize=finish,
-                                    custom_translation_table=plugins.custom_translation_table())
+    program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=OPSET,
+                                input_names=list(input_names), output_names=list(output_names),
+                                dynamic_shapes=dynamic_shapes, verbose=False, optimize=False,
+                                custom_translation_table=plugins.custom_translation_table())
     if finish:
-        plugins.attach_functions_ir(program.model)
+        _finish(program.model)
     save_streamed(program.model, Path(path))
     return Path(path)
 
 
 def finish_graph(path: Path) -> None:
-    """What write_onnx leaves out with `finish=False`, done to the graph saved at `path`: the exporter's
-    optimizer (folding, common subexpressions), then the custom ops' functions; constants it makes are
-    appended to the data file."""
+    """What write_onnx leaves out with `finish=False`, done to the graph saved at `path`; constants the
+    optimizer makes are appended to the data file."""
     import onnx_ir as ir
-    from onnxscript import optimizer
 
     model = ir.load(path)                        # weights stay in the data file, read only where folded
+    _finish(model)
+    save_streamed(model, path, append=True)
+
+
+def _finish(model: ir.Model) -> None:
+    """The exporter's optimizer (what `torch.onnx.export(optimize=True)` runs: folding, common subexpressions,
+    rewrites) without its O(N²) rule (plugins/onnx_optimizer.py), then the custom ops' functions."""
+    from onnxscript import optimizer
+
     with fast_rules():
         optimizer.optimize_ir(model)
     plugins.attach_functions_ir(model)
-    save_streamed(model, path, append=True)
 
 
 def write_step(step: UnifiedStep, path: str | Path, feeds: dict[str, torch.Tensor] | None = None, *,

@@ -11,6 +11,7 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import onnx
@@ -301,8 +302,7 @@ def _copy(node: onnx.NodeProto, renamed: Mapping[str, str], plan: StampPlan, t: 
 
 
 def _write_weights(graph: onnx.GraphProto, weights: list[_NewWeight], trace_dir: Path) -> None:
-    from export.checkpoint import file_region
-    from export.onnx_export import copy_region
+    from export.onnx_export import append_weight
 
     for weight in weights:
         tensor = onnx.TensorProto()
@@ -313,13 +313,7 @@ def _write_weights(graph: onnx.GraphProto, weights: list[_NewWeight], trace_dir:
             info = {e.key: e.value for e in weight.template.external_data}
             path = trace_dir / info["location"]
             with open(path, "ab") as data:
-                offset = data.tell()
-                region = file_region(source)
-                if region is None:
-                    data.write(_bytes(source))
-                else:
-                    copy_region(*region, data)
-                length = data.tell() - offset
+                offset, length = append_weight(data, source, partial(_bytes, source))
             tensor.data_location = onnx.TensorProto.EXTERNAL
             for key, value in (("location", info["location"]), ("offset", str(offset)), ("length", str(length))):
                 tensor.external_data.add(key=key, value=value)
