@@ -34,7 +34,7 @@ x [..., K] ───────────────────────
   another sibling group also reads ("Unexpected exception vector::_M_range_check: __n (which is 1) >=
   this->size() (which is 0)"), whatever the bits, block size, axis or scale dtype. ONNX Runtime's
   optimizers drop the Identity, so the ORT lowering (engines/ort) is unchanged
-  (tests/engines/test_quantized_build.py).
+  (tests/engines/tensorrt/test_quantized_build.py).
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def _tiny_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, 
 
 @pytest.fixture(scope="session")
 def tiny_artifact_of(_tiny_artifacts: Callable[[str, str], TinyArtifact]) -> Callable[[str, str], Path]:
-    """(case, export dtype) -> its artifact directory: the engine builds (tests/engines/test_trt_build.py), the
+    """(case, export dtype) -> its artifact directory: the engine builds (tests/engines/tensorrt/test_trt_build.py), the
     float16 runtime tests and the CLI tests share them with the runtime tests."""
     return lambda case, dtype: _tiny_artifacts(case, dtype).path
 

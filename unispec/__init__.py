@@ -19,7 +19,7 @@ _PUBLIC: dict[str, tuple[str, str]] = {
     "CompletionOutput": ("runtime.sequence", "CompletionOutput"),
     "Logprob": ("runtime.sequence", "Logprob"),
     "export_model": ("unispec.exporting", "export_model"),
-    "build_engine": ("engines.build", "build_engine"),
+    "build_engine": ("engines.tensorrt.engine", "build_engine"),
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -82,14 +82,14 @@ def export(**options: Any) -> None:
 def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, flavour: str | None,
           compute_capabilities: tuple[str, ...], dry_run: bool, as_json: bool) -> None:
     """Build a TensorRT engine into an artifact directory (engine.plan, engine.json, manifest.engine)."""
-    from engines.build import build_engine, describe_engine, describe_plan, load_artifact, plan_build
-    from engines.recipe import load_recipe
+    from engines.tensorrt.engine import build_engine, describe_engine, describe_plan, load_artifact, plan_build
+    from engines.tensorrt.recipe import load_recipe
 
     if dry_run:
         _, manifest = load_artifact(artifact_dir)
         plan = plan_build(manifest, load_recipe(recipe))
         if as_json:
-            from engines.build import engine_settings
+            from engines.tensorrt.engine import engine_settings
 
             planned = engine_settings(plan, {})      # what engine.json will hold, less the build's own facts
             echo_json({"dry_run": True, **{k: v for k, v in planned.items() if k != "built_at"}})
@@ -105,7 +105,7 @@ def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, fla
     if as_json:
         import json
 
-        from engines.build import ENGINE_SETTINGS
+        from engines.tensorrt.engine import ENGINE_SETTINGS
 
         settings = json.loads((plan_path.parent / ENGINE_SETTINGS).read_text())
         echo_json({"engine": plan_path, **settings})

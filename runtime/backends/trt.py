@@ -47,7 +47,7 @@ NO_TENSORRT = ("backend 'trt' needs TensorRT and an NVIDIA GPU; pip install unis
 _PAD = {io.DRAFT_TOKENS: -1, io.CHUNK_NEXT_TOKENS: -1, io.TOP_P: 1.0, io.TOKEN_BITMASK: -1}
 
 
-# engine.json "flavour" (engines/flavours.py) -> the module that deserializes its plans; an artifact built
+# engine.json "flavour" (engines/tensorrt/flavours.py) -> the module that deserializes its plans; an artifact built
 # before flavours existed was built with TensorRT 11.
 _FLAVOUR_MODULES = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}
 
@@ -233,7 +233,7 @@ class TrtBackend:
         self._last = outputs
         return outputs
 
-    # TensorRT builds the step graph only (engines/build.py): without a target-only engine, every step speculates
+    # TensorRT builds the step graph only (engines/tensorrt/engine.py): without a target-only engine, every step speculates
     has_target_only = False
 
     def target_only_input_specs(self) -> tuple[io.TensorSpec, ...]:

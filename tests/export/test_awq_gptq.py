@@ -193,7 +193,7 @@ def _int4_linears(path: Path) -> dict[str, int]:
 @pytest.mark.parametrize("name", ["awq", "gptq"])
 def test_int4_artifact_keeps_the_codes_and_generates_as_torch_dequantized(name: str, tiny_pair: dict,
                                                                            tmp_path: Path) -> None:
-    from engines.build import build_engine
+    from engines.tensorrt.engine import build_engine
     from runtime.llm import LLM
     from runtime.sampling_params import SamplingParams
     from unispec.exporting import export_model

@@ -3,7 +3,7 @@
 Issue 15: the float16 DeepSeek artifacts (mtp, nextn, eagle3) were refused at load because MoE's reference
 function returned float32 (tests/plugins/test_reference_dtypes.py pins the cause), and no test had exported
 any method in float16. The float16 mtp case is the structured-output artifact that the fast TensorRT-RTX
-build uses too (tests/engines/test_trt_build.py, one export for both); the other methods are `slow`.
+build uses too (tests/engines/tensorrt/test_trt_build.py, one export for both); the other methods are `slow`.
 """
 
 from __future__ import annotations

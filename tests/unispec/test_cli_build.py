@@ -79,7 +79,7 @@ def test_dry_run_json_is_the_plan_engine_json_would_record(art: Path) -> None:
 def test_the_progress_monitor_reports_the_outer_phases_of_tensorrt_rtx() -> None:
     import tensorrt_rtx
 
-    from engines.tensorrt_build import progress_monitor
+    from engines.tensorrt.tensorrt_build import progress_monitor
 
     heard: list[tuple[str, bool]] = []
     monitor = progress_monitor(tensorrt_rtx, lambda what, finished: heard.append((what, finished)))

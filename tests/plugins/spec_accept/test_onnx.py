@@ -1,6 +1,6 @@
 """Every spec function exports to ONNX (opset 24, IR 10) with dynamic B, K, V, S, and ONNX Runtime
 returns the same tokens as torch for the same noise over 300 random cases per graph; no graph holds what
-TensorRT cannot build (Bitwise ops, an If nested in an If branch: engines/onnx_check.py).
+TensorRT cannot build (Bitwise ops, an If nested in an If branch: engines/tensorrt/onnx_check.py).
 
 Each graph is exported once per module (a few seconds each); the cases then vary every dynamic dim.
 Cases include ties (integer logits), temperature-0 rows, every filter on and off, drafts of -1,
@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from engines.onnx_check import find_problems
+from engines.tensorrt.onnx_check import find_problems
 from plugins.spec_accept.acceptance import NOISE_CHANNELS, NOISE_DRAFT, sample_draft, verify
 from plugins.spec_accept.bitmask import num_bitmask_words, pack_bitmask
 from plugins.spec_accept.ragged import (

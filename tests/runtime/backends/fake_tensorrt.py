@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engines.build import plan_build
-from engines.recipe import load_recipe
+from engines.tensorrt.engine import plan_build
+from engines.tensorrt.recipe import load_recipe
 from runtime.backend import numpy_dtype, shape_of
 from runtime.manifest import Manifest
 

@@ -161,7 +161,7 @@ def test_engine_mismatches_fail_in_one_line(faked, artifact) -> None:
 
 @pytest.fixture(scope="module")
 def built(artifact):
-    from engines.build import build_engine
+    from engines.tensorrt.engine import build_engine
 
     build_engine(artifact.path, recipe="decode-heavy")
     return artifact

@@ -24,13 +24,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.build import ENGINE_PLAN, ENGINE_SETTINGS, build_engine
-from engines.flavours import FLAVOURS, RTX_DEFAULT_TARGETS, RTX_FP8_TARGETS
+from engines.tensorrt.engine import ENGINE_PLAN, ENGINE_SETTINGS, build_engine
+from engines.tensorrt.flavours import FLAVOURS, RTX_DEFAULT_TARGETS, RTX_FP8_TARGETS
 from engines.tensorrt.dequantize import split_shared_dequantize
 from export.quantize import QuantizeSettings, quantize_graph
 from runtime import manifest as io
 from runtime.errors import ConfigError
-from tests.engines.test_quantized_build import build as build_linear
+from tests.engines.tensorrt.test_quantized_build import build as build_linear
 
 RTX = FLAVOURS["tensorrt-rtx"]
 HIDDEN, BLOCK = 64, 16
@@ -71,7 +71,7 @@ def split(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
 
 
 def build(model: onnx.ModelProto, path: Path, targets: tuple[str, ...]) -> tuple[bytes | None, str]:
-    """(plan or None, the one-line error `unispec build` would print), as tests/engines/test_quantized_build.py
+    """(plan or None, the one-line error `unispec build` would print), as tests/engines/tensorrt/test_quantized_build.py
     builds its linears."""
     return build_linear(model, path, targets, hidden=HIDDEN, max_rows=64)
 
@@ -186,7 +186,7 @@ def test_an_fp8_deepseek_mtp_artifact_builds_for_fp8_targets(tmp_path: Path, cap
     with pytest.raises(ConfigError, match="sm_86, for which TensorRT-RTX cannot compile"):
         build_engine(artifact, flavour="tensorrt-rtx", compute_capabilities=["sm_86"])
     assert io.Manifest.load(artifact).engine is None
-    with caplog.at_level(logging.WARNING, logger="engines.build"):
+    with caplog.at_level(logging.WARNING, logger="engines.tensorrt.engine"):
         build_engine(artifact, flavour="tensorrt-rtx")
     assert "FP8 weights: building for sm_89, sm_120, sm_121 only" in caplog.text
     # the MTP layer's 12 weights are each read by 3 draft steps (kv_b_proj by one): 2 more DQ + Cast + 2 Identity

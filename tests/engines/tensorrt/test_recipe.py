@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.recipe import Recipe, builtin_recipes, load_recipe, parse_recipe
+from engines.tensorrt.recipe import Recipe, builtin_recipes, load_recipe, parse_recipe
 from runtime.errors import ConfigError
 
 

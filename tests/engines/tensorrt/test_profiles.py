@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from engines.profiles import DimRange, dim_ranges, input_shapes, pool_blocks
-from engines.recipe import Recipe, load_recipe
+from engines.tensorrt.profiles import DimRange, dim_ranges, input_shapes, pool_blocks
+from engines.tensorrt.recipe import Recipe, load_recipe
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ConfigError
 from runtime.manifest import TensorSpec, dim_value

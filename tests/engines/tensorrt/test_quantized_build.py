@@ -24,8 +24,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engines import tensorrt_build
-from engines.flavours import FLAVOURS, RTX_DEFAULT_TARGETS
+from engines.tensorrt import tensorrt_build
+from engines.tensorrt.flavours import FLAVOURS, RTX_DEFAULT_TARGETS
 from export.quantize import MIN_OPSET, QuantizeSettings, quantize_graph
 
 RTX = FLAVOURS["tensorrt-rtx"]
@@ -77,7 +77,7 @@ def without_scale_identities(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def build(model: onnx.ModelProto, path: Path, targets: tuple[str, ...] = RTX_DEFAULT_TARGETS, *,
           hidden: int = HIDDEN, max_rows: int = 128) -> tuple[bytes | None, str]:
-    """(plan or None, the one-line error `unispec build` would print), built as engines/tensorrt_build.py
+    """(plan or None, the one-line error `unispec build` would print), built as engines/tensorrt/tensorrt_build.py
     builds: strongly typed network, ONNX parser, `targets`, one profile over input "x" [rows, hidden]."""
     trt = RTX.load()
     onnx.save(model, str(path))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.flavours import (
+from engines.tensorrt.flavours import (
     RTX_DEFAULT_TARGETS,
     RTX_FP8_TARGETS,
     Flavour,
@@ -35,8 +35,8 @@ from engines.flavours import (
     parse_compute_capability,
     select_flavour,
 )
-from engines.profiles import DimRange, ShapeRange, dim_ranges, input_shapes
-from engines.recipe import Recipe, load_recipe
+from engines.tensorrt.profiles import DimRange, ShapeRange, dim_ranges, input_shapes
+from engines.tensorrt.recipe import Recipe, load_recipe
 from runtime import manifest as io
 from runtime.errors import ArtifactError, ConfigError
 from runtime.manifest import MANIFEST_NAME, Manifest
@@ -88,14 +88,14 @@ def build_engine(artifact_dir: str | Path, *, recipe: str | Path | Recipe | None
                  progress: Callable[[str, bool], None] | None = None) -> Path:
     """Build the artifact's TensorRT engine; returns the path of the written `engine.plan`.
 
-    `recipe` is a Recipe, a recipe file, a built-in recipe name, or None (engines/recipes/default.toml).
+    `recipe` is a Recipe, a recipe file, a built-in recipe name, or None (engines/tensorrt/recipes/default.toml).
     `timing_cache` is read when it exists and written back (atomically) after the build. `flavour` is
-    "tensorrt" or "tensorrt-rtx" (None: the installed one, engines/flavours.py); `compute_capabilities`
+    "tensorrt" or "tensorrt-rtx" (None: the installed one, engines/tensorrt/flavours.py); `compute_capabilities`
     ("sm_86", ...) are TensorRT-RTX's targets, overriding the recipe's. Without TensorRT this raises a
     one-line BackendUnavailableError after the artifact and recipe have been checked. `progress` hears
-    TensorRT's build phases (engines/tensorrt_build.py progress_monitor).
+    TensorRT's build phases (engines/tensorrt/tensorrt_build.py progress_monitor).
     """
-    from engines.tensorrt_build import build_serialized
+    from engines.tensorrt.tensorrt_build import build_serialized
 
     directory, manifest = load_artifact(artifact_dir)
     if (manifest.quantization or {}).get("zero_point"):

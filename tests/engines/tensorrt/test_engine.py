@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from engines import build as build_module
-from engines.build import ENGINE_PLAN, ENGINE_SETTINGS, build_engine, plan_build, write_engine
-from engines.flavours import NO_TENSORRT
-from engines.recipe import Recipe, load_recipe
-from engines.tensorrt_build import BuildResult
+from engines.tensorrt import engine as build_module
+from engines.tensorrt.engine import ENGINE_PLAN, ENGINE_SETTINGS, build_engine, plan_build, write_engine
+from engines.tensorrt.flavours import NO_TENSORRT
+from engines.tensorrt.recipe import Recipe, load_recipe
+from engines.tensorrt.tensorrt_build import BuildResult
 from runtime.errors import ArtifactError, BackendUnavailableError, ConfigError
 from runtime.manifest import Manifest
 from tests.engines.manifests import make_manifest, write_fake_artifact
@@ -115,8 +115,8 @@ def test_build_engine_reuses_and_rewrites_the_timing_cache(tmp_path: Path, monke
                            plugin_ops=("PagedAttention",), plugin_layers=3, network_flags=(),
                            parser_flags=("ENABLE_PLUGIN_OVERRIDE",), flavour=flavour.name, targets=targets)
 
-    monkeypatch.setattr("engines.tensorrt_build.build_serialized", fake_build)
-    monkeypatch.setattr("engines.build.gpu_capability", lambda: "sm_90")    # TensorRT 11 on a Hopper GPU
+    monkeypatch.setattr("engines.tensorrt.tensorrt_build.build_serialized", fake_build)
+    monkeypatch.setattr("engines.tensorrt.engine.gpu_capability", lambda: "sm_90")    # TensorRT 11 on a Hopper GPU
     art = write_fake_artifact(tmp_path / "art")
     cache = tmp_path / "caches" / "timing.cache"
     build_engine(art, recipe="decode-heavy", timing_cache=cache, flavour="tensorrt")

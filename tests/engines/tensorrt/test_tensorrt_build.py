@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from engines import tensorrt_build
-from engines.build import ENGINE_SETTINGS, build_engine, plan_build
-from engines.flavours import FLAVOURS
-from engines.recipe import load_recipe
+from engines.tensorrt import tensorrt_build
+from engines.tensorrt.engine import ENGINE_SETTINGS, build_engine, plan_build
+from engines.tensorrt.flavours import FLAVOURS
+from engines.tensorrt.recipe import load_recipe
 from runtime.errors import BackendUnavailableError
 from runtime.manifest import Manifest
 

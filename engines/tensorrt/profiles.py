@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engines.recipe import Recipe
+from engines.tensorrt.recipe import Recipe
 from runtime.errors import ConfigError
 from runtime.manifest import Manifest, dim_value
 

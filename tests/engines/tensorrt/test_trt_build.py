@@ -18,11 +18,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from engines import tensorrt_build
-from engines.build import ENGINE_SETTINGS, build_engine, plan_build
-from engines.flavours import FLAVOURS, RTX_DEFAULT_TARGETS
-from engines.onnx_check import find_problems, load_graph
-from engines.recipe import load_recipe
+from engines.tensorrt import tensorrt_build
+from engines.tensorrt.engine import ENGINE_SETTINGS, build_engine, plan_build
+from engines.tensorrt.flavours import FLAVOURS, RTX_DEFAULT_TARGETS
+from engines.tensorrt.onnx_check import find_problems, load_graph
+from engines.tensorrt.recipe import load_recipe
 from runtime.errors import ArtifactError, UnispecError
 from runtime.manifest import Manifest
 from tests.runtime.artifacts import METHOD_CASES

@@ -6,7 +6,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from engines.onnx_check import find_problems
+from engines.tensorrt.onnx_check import find_problems
 
 
 def _branch(name: str, nodes: list[onnx.NodeProto], output: str) -> onnx.GraphProto:

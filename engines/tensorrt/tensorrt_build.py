@@ -1,5 +1,5 @@
 """The TensorRT half of `unispec build`: ONNX artifact graph -> serialized engine, for either flavour
-(engines/flavours.py: TensorRT 11 `tensorrt` or TensorRT-RTX `tensorrt_rtx`, imported lazily).
+(engines/tensorrt/flavours.py: TensorRT 11 `tensorrt` or TensorRT-RTX `tensorrt_rtx`, imported lazily).
 
   onnx_check.find_problems(model.onnx)           Bitwise ops and nested If named before TensorRT sees them
   tensorrt/dequantize.split_shared_dequantize    a weight's DQ read by several unrolled drafter steps split
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.flavours import FP8_ADVICE, Flavour
-from engines.onnx_check import find_problems, load_graph
-from engines.profiles import ShapeRange
-from engines.recipe import Recipe
+from engines.tensorrt.flavours import FP8_ADVICE, Flavour
+from engines.tensorrt.onnx_check import find_problems, load_graph
+from engines.tensorrt.profiles import ShapeRange
+from engines.tensorrt.recipe import Recipe
 from engines.tensorrt.dequantize import split_shared_dequantize
 from runtime.errors import ArtifactError, ConfigError, UnispecError
 from runtime.manifest import Manifest
@@ -68,7 +68,7 @@ class BuildResult:
     plugin_layers: int                   # plugin layers in the parsed network
     network_flags: tuple[str, ...]
     parser_flags: tuple[str, ...]
-    flavour: str = "tensorrt"            # engines/flavours.py name
+    flavour: str = "tensorrt"            # engines/tensorrt/flavours.py name
     targets: tuple[str, ...] = ()        # compute capabilities the plan was built for
     dequantize_nodes_added: int = 0      # by split_shared_dequantize before parsing
 
@@ -87,7 +87,7 @@ def register_plugins() -> None:
 
 
 def check_graph(model: Path, graph: onnx.ModelProto | None = None) -> None:
-    """One-line ArtifactError for the first construct no TensorRT builds (engines/onnx_check.py); `graph`:
+    """One-line ArtifactError for the first construct no TensorRT builds (engines/tensorrt/onnx_check.py); `graph`:
     model.onnx already loaded."""
     problems = find_problems(load_graph(model) if graph is None else graph)
     if problems:

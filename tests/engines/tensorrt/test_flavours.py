@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engines import flavours
-from engines.flavours import (
+from engines.tensorrt import flavours
+from engines.tensorrt.flavours import (
     FLAVOURS,
     NO_TENSORRT,
     RTX_DEFAULT_TARGETS,

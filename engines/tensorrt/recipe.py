@@ -2,9 +2,9 @@
 
 A recipe holds the TensorRT builder settings and the optimization-profile preferences; everything about
 the model (dtypes, shapes, bounds) comes from the artifact's manifest. Recipes are portable across
-artifacts: opt values are clamped into each artifact's own ranges (engines/profiles.py).
+artifacts: opt values are clamped into each artifact's own ranges (engines/tensorrt/profiles.py).
 
-    # engines/recipes/decode-heavy.toml
+    # engines/tensorrt/recipes/decode-heavy.toml
     description = "kernels tuned for full batches of one new token per row"
     opt_tokens_per_row = 1
 
@@ -12,7 +12,7 @@ There are no precision fields: TensorRT 11 and TensorRT-RTX networks are strongl
 type is the ONNX graph's (export with --dtype to change it); FP16/BF16 builder flags no longer exist.
 `compute_capabilities` (["sm_86", "sm_89"]) picks TensorRT-RTX's target GPUs; TensorRT 11 ignores it (it
 builds for the GPU it runs on). `tactic_sources` is checked against the flavour that builds.
-Built-in recipes live in engines/recipes/ and are named by their file stem (`--recipe decode-heavy`).
+Built-in recipes live in engines/tensorrt/recipes/ and are named by their file stem (`--recipe decode-heavy`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from engines.flavours import RTX_COMPUTE_CAPABILITIES, parse_compute_capability
+from engines.tensorrt.flavours import RTX_COMPUTE_CAPABILITIES, parse_compute_capability
 from runtime.errors import ConfigError
 
 __all__ = ["BUILTIN_DIR", "DEFAULT_RECIPE", "TACTIC_SOURCES", "Recipe", "builtin_recipes", "load_recipe",
@@ -34,7 +34,7 @@ __all__ = ["BUILTIN_DIR", "DEFAULT_RECIPE", "TACTIC_SOURCES", "Recipe", "builtin
 BUILTIN_DIR = "recipes"
 DEFAULT_RECIPE = "default"
 # TacticSource names a recipe may list (TensorRT 11 has all; TensorRT-RTX only the last two: a build checks
-# them against its flavour, engines/flavours.py)
+# them against its flavour, engines/tensorrt/flavours.py)
 TACTIC_SOURCES = ("CUBLAS", "CUBLAS_LT", "CUDNN", "EDGE_MASK_CONVOLUTIONS", "JIT_CONVOLUTIONS")
 
 
@@ -48,7 +48,7 @@ class Recipe:
     max_workspace_bytes: int | None = None       # WORKSPACE memory pool limit
     tactic_sources: tuple[str, ...] | None = None
     compute_capabilities: tuple[str, ...] | None = None   # TensorRT-RTX targets ("sm_86"); None: the GPU
-                                                          # present, else engines.flavours.RTX_DEFAULT_TARGETS
+                                                          # present, else engines.tensorrt.flavours.RTX_DEFAULT_TARGETS
     num_blocks: int | None = None                # largest KV pool the engine accepts (default: a full batch
     kv_memory_bytes: int | None = None           # of max_model_len rows), optionally capped by this budget
     opt_batch: int | None = None                 # profile opt: rows per step (default: max_batch_size)
@@ -130,8 +130,8 @@ def parse_recipe(data: dict[str, Any], *, name: str, where: str | None = None) -
 
 
 def builtin_recipes() -> dict[str, Path]:
-    """Built-in recipe name -> file (engines/recipes/*.toml)."""
-    folder = resources.files("engines") / BUILTIN_DIR
+    """Built-in recipe name -> file (engines/tensorrt/recipes/*.toml)."""
+    folder = resources.files("engines.tensorrt") / BUILTIN_DIR
     return {Path(str(p)).stem: Path(str(p)) for p in folder.iterdir() if str(p).endswith(".toml")}
 
 
