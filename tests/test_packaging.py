@@ -16,6 +16,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from plugins import ort_cpu
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"unispec", "export", "runtime", "plugins", "engines"}
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -51,7 +53,7 @@ def test_wheel_holds_exactly_the_packages(wheel: Path) -> None:
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == PACKAGES
     assert not any(n.startswith("tests/") for n in names)
-    assert {"plugins/ort_cpu/paged_attention.cc", "plugins/ort_cpu/ort_abi.h"} <= set(names)   # built on first use
+    assert set(f"plugins/{name}" for name in ort_cpu.SOURCES) <= set(names)   # built on first use
     metadata = next(n for n in names if n.endswith("METADATA"))
     text = zipfile.ZipFile(wheel).read(metadata).decode()
     for extra in ("export", "structured", "trt", "trt-rtx", "gpu", "dev", "bench", "serve"):

@@ -1,5 +1,5 @@
 """model.ort.onnx's attention fusion: a layer's RoPE, q/k/v norms, head reshapes, KV delta row and in-place
-paged attention become one `unispec.cpu::PagedAttentionRope` node (plugins/ort_cpu/paged_attention_rope.cc).
+paged attention become one `unispec.cpu::PagedAttentionRope` node (plugins/paged_attention/ort_cpu_rope.cc).
 
 At the bundled sizes a step is dispatch-bound (~1-5 us a node on one core); after lowering.py and fusions.py
 a Llama layer's attention is still twelve nodes, eleven of which only move data:

@@ -1,6 +1,6 @@
 """model.ort.onnx's custom ops on native kernels: each `unispec::SpecAccept`, `unispec::SampleDraft` and
 `unispec::MoE` node whose float inputs are float32 becomes the `unispec.cpu` node of the same name, inputs,
-outputs and attributes (plugins/ort_cpu/spec_accept.cc, moe.cc), instead of being inlined as its reference
+outputs and attributes (plugins/spec_accept/ort_cpu.cc, plugins/moe/ort_cpu.cc), instead of being inlined as its reference
 function.
 
 Why: the speculative functions are ~150 nodes in Ifs for a sampled verdict and ~30 per sampled draft step, and

@@ -4,11 +4,13 @@
     isa()                  -> the instruction-set variant that library is built for (variants.py)
     packed_linear_bytes()  -> what that library's PackedLinear kernels hold packed in this process
 
-Ops: PagedAttentionPool / PagedAttentionPoolRows (paged_attention.cc), PagedAttentionRope /
-PagedAttentionRopeRows (paged_attention_rope.cc: a layer's RoPE, KV delta row and that attention), SpecAccept
-and SampleDraft (spec_accept.cc), PackedLinear (matmul.cc), SiluMul (silu_mul.cc: a quantized MLP's SwiGLU over its
-gate|up MatMulNBits), TokenLogprobs (token_logprobs.cc: a step's log-probability outputs), MergeDrafts (merge_drafts.cc: the merge
-of a step's tokens with its drafts), MoE (moe.cc: DeepSeek's routed experts, the chosen ones only); register.cc
+Ops, each kernel beside its op's reference: PagedAttentionPool / PagedAttentionPoolRows
+(plugins/paged_attention/ort_cpu.cc), PagedAttentionRope / PagedAttentionRopeRows (ort_cpu_rope.cc there: a
+layer's RoPE, KV delta row and that attention), SpecAccept and SampleDraft (plugins/spec_accept/ort_cpu.cc),
+MoE (plugins/moe/ort_cpu.cc: DeepSeek's routed experts, the chosen ones only); and in this folder, the ops only
+the ORT lowering makes: PackedLinear (matmul.cc), SiluMul (silu_mul.cc: a quantized MLP's SwiGLU over its
+gate|up MatMulNBits), TokenLogprobs (token_logprobs.cc: a step's log-probability outputs), MergeDrafts
+(merge_drafts.cc: the merge of a step's tokens with its drafts), with the shared headers; register.cc
 adds them all to the domain. The sources (*.cc,
 *.h) ship with the package; the library is built with the system's C++ compiler (`$CXX`,
 else c++/g++) once per ISA variant (avx512, avx2, portable: chosen at run time by the CPU's flags) into a
@@ -41,16 +43,21 @@ __all__ = ["DOMAIN", "BuildError", "IsaError", "build", "cache_dir", "compiler",
            "packed_linear_bytes", "sources_digest"]
 
 DOMAIN = "unispec.cpu"
-SOURCES = ("paged_attention.cc", "paged_attention_attend.h", "paged_attention_blocks.h", "paged_attention_pool.h",
-           "paged_attention_rope.cc", "spec_accept.cc", "spec_accept_truncation.h", "matmul.cc", "matmul_tiles.h",
-           "matmul_group.h", "silu.h", "silu_mul.cc", "token_logprobs.cc", "merge_drafts.cc", "moe.cc", "register.cc",
-           "reduce.h", "kernel.h", "ort_abi.h")
+# Paths under plugins/: each op's kernel beside its reference (plugins/<op>/ort_cpu*.cc|h); here, the kernels of the
+# ops only the ORT lowering makes (PackedLinear, SiluMul, TokenLogprobs, MergeDrafts), the shared headers and
+# the registration. Every unit compiles with this folder on the include path.
+SOURCES = ("paged_attention/ort_cpu.cc", "paged_attention/ort_cpu_attend.h", "paged_attention/ort_cpu_blocks.h",
+           "paged_attention/ort_cpu_pool.h", "paged_attention/ort_cpu_rope.cc", "spec_accept/ort_cpu.cc",
+           "spec_accept/ort_cpu_truncation.h", "moe/ort_cpu.cc", *(f"ort_cpu/{name}" for name in (
+               "matmul.cc", "matmul_tiles.h", "matmul_group.h", "silu.h", "silu_mul.cc", "token_logprobs.cc",
+               "merge_drafts.cc", "register.cc", "reduce.h", "kernel.h", "ort_abi.h")))
 FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
-# glibc's vector math library: the sampling kernels' float64 exp, four lanes at a time on AVX2 (spec_accept.cc)
+# glibc's vector math library: the sampling kernels' float64 exp, four lanes at a time on AVX2 (plugins/spec_accept/ort_cpu.cc)
 VECTOR_MATH = ("-DUNISPEC_MVEC", "-lmvec") if sys.platform == "linux" and platform.machine() == "x86_64" else ()
 LIBRARY = "libunispec_ort_cpu.so"
 STAMP = LIBRARY + ".stamp"          # JSON: variant, size, sha256 of the library beside it
 _HERE = Path(__file__).resolve().parent
+_PLUGINS = _HERE.parent              # SOURCES are relative to it
 _process_dir: Path | None = None    # where this process builds when the cache cannot be written
 
 
@@ -125,7 +132,7 @@ def sources_digest() -> str:
     (runtime/speculation_record.py), so new kernels start a new record."""
     key = hashlib.sha256()
     for name in SOURCES:
-        key.update((_HERE / name).read_bytes())
+        key.update((_PLUGINS / name).read_bytes())
     key.update(header.text().encode())
     return key.hexdigest()[:16]
 
@@ -162,9 +169,9 @@ def _compile(cxx: str, flags: tuple[str, ...], variant: str, target: Path) -> Pa
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         (Path(tmp) / header.NAME).write_text(header.text())
-        units = [str(_HERE / name) for name in SOURCES if name.endswith(".cc")]
+        units = [str(_PLUGINS / name) for name in SOURCES if name.endswith(".cc")]
         try:
-            result = subprocess.run([cxx, *flags, f"-I{tmp}", "-o", str(built), *units, *VECTOR_MATH],
+            result = subprocess.run([cxx, *flags, f"-I{tmp}", f"-I{_HERE}", "-o", str(built), *units, *VECTOR_MATH],
                                     capture_output=True, text=True)
         except OSError as exc:     # the compiler itself would not start: not the cache's fault
             raise BuildError(f"cannot run the C++ compiler {cxx}: {exc.strerror or exc}") from None

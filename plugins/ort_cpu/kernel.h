@@ -123,14 +123,14 @@ inline OrtCustomOp cpu_op() {
 }
 
 // The ops, one or more per source file.
-const OrtCustomOp* paged_attention_op(bool with_rows);   // paged_attention.cc
-const OrtCustomOp* spec_accept_op();                      // spec_accept.cc
-const OrtCustomOp* sample_draft_op();                     // spec_accept.cc
+const OrtCustomOp* paged_attention_op(bool with_rows);   // plugins/paged_attention/ort_cpu.cc
+const OrtCustomOp* spec_accept_op();                      // plugins/spec_accept/ort_cpu.cc
+const OrtCustomOp* sample_draft_op();                     // plugins/spec_accept/ort_cpu.cc
 const OrtCustomOp* packed_linear_op();                    // matmul.cc
-const OrtCustomOp* paged_attention_rope_op(bool with_rows);  // paged_attention_rope.cc
+const OrtCustomOp* paged_attention_rope_op(bool with_rows);  // plugins/paged_attention/ort_cpu_rope.cc
 const OrtCustomOp* silu_mul_op();                         // silu_mul.cc
 const OrtCustomOp* token_logprobs_op();                   // token_logprobs.cc
 const OrtCustomOp* merge_drafts_op();                     // merge_drafts.cc
-const OrtCustomOp* moe_op();                              // moe.cc
+const OrtCustomOp* moe_op();                              // plugins/moe/ort_cpu.cc
 
 }  // namespace unispec_cpu

@@ -2,7 +2,7 @@
 
 No TensorRT plugin takes this node: TensorRT imports its model-local reference function (acceptance.choose_drafts:
 the sampling in an If on "does any row sample"), and model.ort.onnx runs ONNX Runtime's native kernel instead
-(plugins/ort_cpu/spec_accept.cc, engines/ort/native_ops.lower).
+(plugins/spec_accept/ort_cpu.cc, engines/ort/native_ops.lower).
 """
 
 # No `from __future__ import annotations`: onnxscript reads the translation's annotations as objects.

@@ -34,11 +34,11 @@ def test_the_header_holds_the_python_values() -> None:
 
 
 def test_no_source_states_a_generated_constant() -> None:
-    sources = {name: (ort_cpu._HERE / name).read_text() for name in ort_cpu.SOURCES}
+    sources = {name: (ort_cpu._PLUGINS / name).read_text() for name in ort_cpu.SOURCES}
     stated = [(name, constant) for name, text in sources.items() for _, constant, _ in DEFINITION.findall(text)
               if constant in header.constants()]
     assert not stated
-    assert all(header.NAME in sources[name] for name in ("spec_accept_truncation.h", "paged_attention_attend.h"))
+    assert all(header.NAME in sources[name] for name in ("spec_accept/ort_cpu_truncation.h", "paged_attention/ort_cpu_attend.h"))
 
 
 def test_a_changed_constant_changes_the_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""unispec.cpu::MoE (plugins/ort_cpu/moe.cc) against plugins/moe/reference.py's moe (the definition, which
+"""unispec.cpu::MoE (plugins/moe/ort_cpu.cc) against plugins/moe/reference.py's moe (the definition, which
 computes every expert densely): the same output within float32 rounding, over group-limited routing with
 several group and expert counts, with and without norm_topk_prob; bad shapes and attributes are one error line;
 model.ort.onnx of a float32 DeepSeek-V3 artifact runs it instead of the reference function."""

@@ -1,6 +1,6 @@
-// The attention loops of unispec.cpu::PagedAttentionPool (see paged_attention.cc): one row's new tokens
+// The attention loops of unispec.cpu::PagedAttentionPool (see plugins/paged_attention/ort_cpu.cc): one row's new tokens
 // against its past read in place from the pool, flash-style in key tiles (attend_tiled) or key-outer over
-// whole pool rows (attend_rows). Included by paged_attention.cc alone, after its `#pragma GCC optimize`.
+// whole pool rows (attend_rows). Included by plugins/paged_attention/ort_cpu.cc alone, after its `#pragma GCC optimize`.
 
 #pragma once
 #include <algorithm>
@@ -9,8 +9,8 @@
 #include <limits>
 #include <vector>
 
-#include "paged_attention_blocks.h"
-#include "paged_attention_pool.h"   // Attributes
+#include "ort_cpu_blocks.h"
+#include "ort_cpu_pool.h"   // Attributes
 #include "unispec_constants.h"   // generated at build time: the pool's axis order (plugins/pool_axes.py)
 
 namespace unispec_cpu {

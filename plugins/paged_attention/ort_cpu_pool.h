@@ -1,6 +1,6 @@
-// What paged_attention.cc shares with the ops built on its attention (paged_attention_rope.cc): the
+// What plugins/paged_attention/ort_cpu.cc shares with the ops built on its attention (plugins/paged_attention/ort_cpu_rope.cc): the
 // attributes every paged-attention op reads, and the attention over the pool itself, so that the loops of
-// paged_attention_attend.h are compiled once, in paged_attention.cc.
+// plugins/paged_attention/ort_cpu_attend.h are compiled once, in plugins/paged_attention/ort_cpu.cc.
 
 #pragma once
 #include <cstdint>

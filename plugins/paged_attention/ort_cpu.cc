@@ -21,8 +21,8 @@
 // layer's alone (a past that is one layer's slice of the pool, as Gemma 4's assistant reads).
 //
 // Here: the op (attributes, input checks, the in-graph rows, registration) and attend_pool, the attention that
-// paged_attention_rope.cc's fused op calls too (paged_attention_pool.h). The attention loops are in
-// paged_attention_attend.h, the register blocks they are built of in paged_attention_blocks.h; both are
+// plugins/paged_attention/ort_cpu_rope.cc's fused op calls too (plugins/paged_attention/ort_cpu_pool.h). The attention loops are in
+// plugins/paged_attention/ort_cpu_attend.h, the register blocks they are built of in plugins/paged_attention/ort_cpu_blocks.h; both are
 // included here alone, so the whole kernel is one translation unit and the blocks inline into the loops.
 
 // Floating-point exceptions are never read here, so GCC may evaluate both sides of a select: without this,
@@ -37,7 +37,7 @@
 #include <vector>
 
 #include "kernel.h"
-#include "paged_attention_attend.h"
+#include "ort_cpu_attend.h"
 
 namespace unispec_cpu {
 namespace {
