@@ -49,7 +49,7 @@ DOMAIN = "unispec.cpu"
 SOURCES = ("paged_attention/ort_cpu.cc", "paged_attention/ort_cpu_attend.h", "paged_attention/ort_cpu_blocks.h",
            "paged_attention/ort_cpu_pool.h", "paged_attention/ort_cpu_rope.cc", "spec_accept/ort_cpu.cc",
            "spec_accept/ort_cpu_truncation.h", "moe/ort_cpu.cc", *(f"ort_cpu/{name}" for name in (
-               "matmul.cc", "matmul_tiles.h", "matmul_group.h", "silu.h", "silu_mul.cc", "token_logprobs.cc",
+               "matmul.cc", "matmul_tiles.h", "matmul_avx512.h", "matmul_avx2.h", "matmul_portable.h", "matmul_group.h", "silu.h", "silu_mul.cc", "token_logprobs.cc",
                "merge_drafts.cc", "register.cc", "reduce.h", "kernel.h", "ort_abi.h")))
 FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
 # glibc's vector math library: the sampling kernels' float64 exp, four lanes at a time on AVX2 (plugins/spec_accept/ort_cpu.cc)

@@ -33,10 +33,10 @@ struct Job {
   int64_t num_slots, rows, k, slots_per_task;
 };
 
-// The slots [at, at + NP) as one wide tile: all full and of one element type (checked by the caller).
+// The slots [at, at + np) as one wide tile (matmul_tiles.h's wide_tile): all full and of one element type
+// (checked by the caller); np = panels_at_once(rows) <= 8.
 template <typename W>
 void run_wide(const Job& job, const Slot* slots, int64_t np) {
-#if defined(__AVX512F__)
   const W* panels[8];
   float* ys[8];
   int64_t ldy[8];
@@ -45,20 +45,7 @@ void run_wide(const Job& job, const Slot* slots, int64_t np) {
     ys[p] = slots[p].y;
     ldy[p] = slots[p].ldy;
   }
-  switch (job.rows) {
-    case 1: tile_wide<1, 8>(job.x, job.k, panels, ys, ldy); break;
-    case 2: tile_wide<2, 4>(job.x, job.k, panels, ys, ldy); break;
-    case 3: tile_wide<3, 2>(job.x, job.k, panels, ys, ldy); break;
-    default: tile_wide<4, 2>(job.x, job.k, panels, ys, ldy); break;
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const W* panels[3] = {static_cast<const W*>(slots[0].panel), static_cast<const W*>(slots[1].panel),
-                        static_cast<const W*>(slots[2].panel)};
-  float* ys[3] = {slots[0].y, slots[1].y, slots[2].y};
-  tile_wide<3>(job.x, job.k, panels, ys);
-#else
-  (void)job, (void)slots, (void)np;     // panels_at_once is 1: never called
-#endif
+  wide_tile<W>(job.x, job.rows, job.k, panels, ys, ldy);
 }
 
 template <typename W>
