@@ -9,22 +9,22 @@ attention and sampling kernels replace subgraphs that model.ort.onnx no longer h
 shape measured (0.03-0.66x ONNX Runtime's time on AVX2 and AVX-512), so they always run.
 
 Measured with benchmarks/kernels_isa.py and benchmarks/packed_linear.py (one intra-op thread, interleaved,
-medians of per-repeat ratios; table in docs/notes/cpu-kernels.md) on an AVX-512 machine, where ONNX Runtime's
-own MLAS runs AVX-512 even for the avx2 build: a stricter bar than an AVX2 CPU sets, so where the avx2
-kernel wins here it wins there too, and where it loses here ONNX Runtime's op is kept (conservative).
-PackedLinear's ratio against MLAS, decoder layers grouped as model.ort.onnx has them (q|k|v, o, gate|up
-swiglu, down; against the Gemm / Sigmoid / Mul nodes revert_linears puts back), a node's weights <= 0.4 MB
-(the bundled Llama 3) / 4-64 MB (h1024, Llama 3.2 1B), two runs each:
+medians of per-repeat ratios; table in docs/notes/cpu-kernels.md): avx512 on an AVX-512 machine, avx2 on an
+AVX2-only AMD EPYC (2026-12-01), each against that machine's MLAS. PackedLinear's ratio against MLAS, decoder
+layers grouped as model.ort.onnx has them (q|k|v, o, gate|up swiglu, down; against the Gemm / Sigmoid / Mul
+nodes revert_linears puts back), a node's weights <= 0.4 MB (the bundled Llama 3) / 4-64 MB (h1024) / up to
+180 MB a layer (1B):
 
-    variant   1 row                   2-4 rows                 5-8 rows                 -> PackedLinear where
+    variant   1 row                   2-4 rows                 6-8 rows                 -> PackedLinear where
     avx512    0.93-0.94 / 1.11-1.20   0.82-0.92 / 0.77-0.99    0.72-0.87 / 0.72-0.81    2+ rows any size, and
                                                                                           1 row nodes <= 1 MiB
-    avx2      0.99-1.06 / 1.05-1.15   0.92-1.24 / 0.69-0.96    1.10-1.30 / 0.80-0.96    2+ rows, nodes >= 1 MiB
+    avx2      1.18 / 1.23             1.13-1.19 / 1.00-1.14    1.10 / 1.04-1.07 (6),    8+ rows, nodes >= 1 MiB
+                                                                     0.89-0.95 (8)
     portable  (its plain loop is not tuned, not measured)                                  never
 
-(Before the grouping, one weight a node: avx512 1.08 / 1.12-1.15 at 1 row, avx2 0.87 / 0.88-0.97, which put
-avx2's >= 1 MiB linears on PackedLinear at 1 row; grouped, on this machine, they lose there. Single weights,
-packed_linear.py: small ones 0.94-1.04 on AVX-512 at 2-8 rows; the 4 MB kv projection 0.38-0.57.)
+(Timed with the forced -march=x86-64-v3 build on the AVX-512 machine, where MLAS runs AVX-512, avx2 had won at
+2-4 rows on large nodes (0.69-0.96) and the table ran it there; on the AVX2 CPU itself it loses there, so the
+rows are the AVX2 CPU's.)
 
 Rows per request of a graph's step: 1 for `none` and target-only graphs, K + 1 for a speculative step (its
 target verifies K drafts); decided for a batch of one.
@@ -79,8 +79,9 @@ CHOICES: dict[str, Choice] = {
     # linears back on MLAS the bundled DFlash step went from 1.15 to 1.40 ms (`unispec bench`, 1 thread);
     # at 1 row the grouped nodes of <= 0.4 MB (q|k|v, o, gate|up, down) ran 0.93x, those of 4-64 MB 1.11-1.20x
     "avx512": Choice(min_rows=2, max_rows=_ANY_ROWS, one_row_max_bytes=MIB),
-    # the small ones only par at 1-3 rows (0.92-1.06x) and behind at 4+ (1.15-1.30x); at 1 row the large lose
-    "avx2": Choice(min_rows=2, max_rows=_ANY_ROWS, min_weight_bytes=MIB),
+    # on an AVX2-only CPU the small ones lose at every row count (1.10-1.19x) and the large ones win only at 8
+    # rows (a DFlash verify; 0.89-0.95x), behind at 1-6 (1.02-1.23x)
+    "avx2": Choice(min_rows=8, max_rows=_ANY_ROWS, min_weight_bytes=MIB),
     "portable": Choice(),
 }
 
