@@ -82,7 +82,13 @@ def export(**options: Any) -> None:
 def build(artifact_dir: Path, recipe: str | None, timing_cache: Path | None, flavour: str | None,
           compute_capabilities: tuple[str, ...], dry_run: bool, as_json: bool) -> None:
     """Build a TensorRT engine into an artifact directory (engine.plan, engine.json, manifest.engine)."""
-    from engines.tensorrt.engine import build_engine, describe_engine, describe_plan, load_artifact, plan_build
+    from engines.tensorrt.engine import (
+        build_engine,
+        describe_engine,
+        describe_plan,
+        load_artifact,
+        plan_build,
+    )
     from engines.tensorrt.recipe import load_recipe
 
     if dry_run:

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engines.tensorrt.dequantize import split_shared_dequantize
 from engines.tensorrt.flavours import FP8_ADVICE, Flavour
 from engines.tensorrt.onnx_check import find_problems, load_graph
 from engines.tensorrt.profiles import ShapeRange
 from engines.tensorrt.recipe import Recipe
-from engines.tensorrt.dequantize import split_shared_dequantize
 from runtime.errors import ArtifactError, ConfigError, UnispecError
 from runtime.manifest import Manifest
 

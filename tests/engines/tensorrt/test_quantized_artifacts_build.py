@@ -24,9 +24,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from engines.tensorrt.dequantize import split_shared_dequantize
 from engines.tensorrt.engine import ENGINE_PLAN, ENGINE_SETTINGS, build_engine
 from engines.tensorrt.flavours import FLAVOURS, RTX_DEFAULT_TARGETS, RTX_FP8_TARGETS
-from engines.tensorrt.dequantize import split_shared_dequantize
 from export.quantize import QuantizeSettings, quantize_graph
 from runtime import manifest as io
 from runtime.errors import ConfigError
