@@ -83,7 +83,8 @@ def ablations() -> dict[str, tuple[list[Callable], str]]:
 
 
 def lowered(artifact: Path, portable: str, folder: Path, label: str, patches: list[Callable]) -> Path:
-    """`portable` lowered into folder/label/ (its weights copied: a bundled artifact's are a few MB) with `patches` applied."""
+    """`portable` lowered into folder/label/ with `patches` applied (its weights copied: a bundled artifact's are
+    a few MB)."""
     from engines.ort.build import lower_graph, lowered_name
 
     out = folder / label

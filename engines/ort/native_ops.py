@@ -1,7 +1,7 @@
 """model.ort.onnx's custom ops on native kernels: each `unispec::SpecAccept`, `unispec::SampleDraft` and
 `unispec::MoE` node whose float inputs are float32 becomes the `unispec.cpu` node of the same name, inputs,
-outputs and attributes (plugins/spec_accept/ort_cpu.cc, plugins/moe/ort_cpu.cc), instead of being inlined as its reference
-function.
+outputs and attributes (plugins/spec_accept/ort_cpu.cc, plugins/moe/ort_cpu.cc), instead of being inlined as
+its reference function.
 
 Why: the speculative functions are ~150 nodes in Ifs for a sampled verdict and ~30 per sampled draft step, and
 at the bundled models' sizes each ONNX Runtime node costs about a microsecond whatever it computes; the kernels

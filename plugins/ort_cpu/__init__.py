@@ -48,11 +48,14 @@ DOMAIN = "unispec.cpu"
 # the registration. Every unit compiles with this folder on the include path.
 SOURCES = ("paged_attention/ort_cpu.cc", "paged_attention/ort_cpu_attend.h", "paged_attention/ort_cpu_blocks.h",
            "paged_attention/ort_cpu_pool.h", "paged_attention/ort_cpu_rope.cc", "spec_accept/ort_cpu.cc",
-           "spec_accept/ort_cpu_truncation.h", "moe/ort_cpu.cc", *(f"ort_cpu/{name}" for name in (
-               "matmul.cc", "matmul_tiles.h", "matmul_avx512.h", "matmul_avx2.h", "matmul_portable.h", "matmul_group.h", "silu.h", "silu_mul.cc", "token_logprobs.cc",
-               "merge_drafts.cc", "register.cc", "reduce.h", "kernel.h", "ort_abi.h")))
+           "spec_accept/ort_cpu_truncation.h", "moe/ort_cpu.cc",
+           *(f"ort_cpu/{name}" for name in ("matmul.cc", "matmul_tiles.h", "matmul_avx512.h", "matmul_avx2.h",
+                                            "matmul_portable.h", "matmul_group.h", "silu.h", "silu_mul.cc",
+                                            "token_logprobs.cc", "merge_drafts.cc", "register.cc", "reduce.h",
+                                            "kernel.h", "ort_abi.h")))
 FLAGS = ("-O3", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
-# glibc's vector math library: the sampling kernels' float64 exp, four lanes at a time on AVX2 (plugins/spec_accept/ort_cpu.cc)
+# glibc's vector math library: the sampling kernels' float64 exp, four lanes at a time on AVX2
+# (plugins/spec_accept/ort_cpu.cc)
 VECTOR_MATH = ("-DUNISPEC_MVEC", "-lmvec") if sys.platform == "linux" and platform.machine() == "x86_64" else ()
 LIBRARY = "libunispec_ort_cpu.so"
 STAMP = LIBRARY + ".stamp"          # JSON: variant, size, sha256 of the library beside it
@@ -171,8 +174,8 @@ def _compile(cxx: str, flags: tuple[str, ...], variant: str, target: Path) -> Pa
         (Path(tmp) / header.NAME).write_text(header.text())
         units = [str(_PLUGINS / name) for name in SOURCES if name.endswith(".cc")]
         try:
-            result = subprocess.run([cxx, *flags, f"-I{tmp}", f"-I{_HERE}", "-o", str(built), *units, *VECTOR_MATH],
-                                    capture_output=True, text=True)
+            result = subprocess.run([cxx, *flags, f"-I{tmp}", f"-I{_HERE}", "-o", str(built), *units,
+                                     *VECTOR_MATH], capture_output=True, text=True)
         except OSError as exc:     # the compiler itself would not start: not the cache's fault
             raise BuildError(f"cannot run the C++ compiler {cxx}: {exc.strerror or exc}") from None
         if result.returncode != 0 or not built.is_file():

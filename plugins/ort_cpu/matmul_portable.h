@@ -21,7 +21,8 @@ inline void accumulate(const float* x, int64_t ldx, const W* panel, int64_t kc, 
     for (int i = 0; i < MR; ++i) std::fill(out[i], out[i] + kPanel, 0.0f);
   for (int64_t k = 0; k < kc; ++k)
     for (int i = 0; i < MR; ++i)
-      for (int64_t j = 0; j < kPanel; ++j) out[i][j] = std::fma(x[i * ldx + k], widen(panel[k * kPanel + j]), out[i][j]);
+      for (int64_t j = 0; j < kPanel; ++j)
+        out[i][j] = std::fma(x[i * ldx + k], widen(panel[k * kPanel + j]), out[i][j]);
 }
 
 inline int64_t panels_at_once(int64_t /*rows*/) { return 1; }

@@ -21,8 +21,8 @@
 // layer's alone (a past that is one layer's slice of the pool, as Gemma 4's assistant reads).
 //
 // Here: the op (attributes, input checks, the in-graph rows, registration) and attend_pool, the attention that
-// plugins/paged_attention/ort_cpu_rope.cc's fused op calls too (plugins/paged_attention/ort_cpu_pool.h). The attention loops are in
-// plugins/paged_attention/ort_cpu_attend.h, the register blocks they are built of in plugins/paged_attention/ort_cpu_blocks.h; both are
+// ort_cpu_rope.cc's fused op calls too (ort_cpu_pool.h). The attention loops are in
+// ort_cpu_attend.h, the register blocks they are built of in ort_cpu_blocks.h; both are
 // included here alone, so the whole kernel is one translation unit and the blocks inline into the loops.
 
 // Floating-point exceptions are never read here, so GCC may evaluate both sides of a select: without this,

@@ -1,6 +1,6 @@
-// The attention loops of unispec.cpu::PagedAttentionPool (see plugins/paged_attention/ort_cpu.cc): one row's new tokens
+// The attention loops of unispec.cpu::PagedAttentionPool (see ort_cpu.cc): one row's new tokens
 // against its past read in place from the pool, flash-style in key tiles (attend_tiled) or key-outer over
-// whole pool rows (attend_rows). Included by plugins/paged_attention/ort_cpu.cc alone, after its `#pragma GCC optimize`.
+// whole pool rows (attend_rows). Included by ort_cpu.cc alone, after its `#pragma GCC optimize`.
 
 #pragma once
 #include <algorithm>

@@ -1,7 +1,7 @@
 // The register blocks unispec.cpu::PagedAttentionPool is built of: dot products (one from reduce.h), scaled
 // adds, the 8- and 16-query score tiles, the two-query weighted sums of values, a vectorisable e^x, and
 // prefetches.
-// Included by plugins/paged_attention/ort_cpu.cc alone (after its `#pragma GCC optimize`): one translation unit, so these
+// Included by ort_cpu.cc alone (after its `#pragma GCC optimize`): one translation unit, so these
 // inline into its loops.
 
 #pragma once

@@ -1,6 +1,6 @@
-// What plugins/paged_attention/ort_cpu.cc shares with the ops built on its attention (plugins/paged_attention/ort_cpu_rope.cc): the
+// What ort_cpu.cc shares with the ops built on its attention (ort_cpu_rope.cc): the
 // attributes every paged-attention op reads, and the attention over the pool itself, so that the loops of
-// plugins/paged_attention/ort_cpu_attend.h are compiled once, in plugins/paged_attention/ort_cpu.cc.
+// ort_cpu_attend.h are compiled once, in ort_cpu.cc.
 
 #pragma once
 #include <cstdint>

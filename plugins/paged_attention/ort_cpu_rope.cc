@@ -30,7 +30,7 @@
 // The norm is ONNX RMSNormalization's over the last axis of [S, H, D] (stash_type 1) as ONNX Runtime computes
 // it: y = x / sqrt(sum(x·x) / D + epsilon) · w, the sum in float32 in order. RoPE is RotaryEmbedding's
 // (interleaved=0) exactly: for i < D/2, x'[i] = x[i]·cos[i] - x[i+D/2]·sin[i] and
-// x'[i+D/2] = x[i+D/2]·cos[i] + x[i]·sin[i]. The attention is plugins/paged_attention/ort_cpu.cc's (attend_pool), over q and
+// x'[i+D/2] = x[i+D/2]·cos[i] + x[i]·sin[i]. The attention is ort_cpu.cc's (attend_pool), over q and
 // k rotated into scratch (a step's few tokens: a copy costs less than a node).
 
 #include <cmath>

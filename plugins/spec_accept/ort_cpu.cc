@@ -20,7 +20,7 @@
 // Here a row is done in one pass per verified position, and positions after the first rejection (whose
 // verdict cannot change the outputs) are skipped.
 //
-// The truncation math both ops share, and what is exact in it, is in plugins/spec_accept/ort_cpu_truncation.h (included
+// The truncation math both ops share, and what is exact in it, is in ort_cpu_truncation.h (included
 // here alone: one translation unit).
 
 #include <algorithm>

@@ -1,7 +1,7 @@
-// The truncation math unispec.cpu::SpecAccept and SampleDraft share (plugins/spec_accept/ort_cpu.cc), after
+// The truncation math unispec.cpu::SpecAccept and SampleDraft share (ort_cpu.cc), after
 // plugins/spec_accept's truncation.py: tempered softmax, the k-th largest / top-p nucleus floor, the
 // truncated and renormalized distribution, inverse-CDF sampling, and the grammar bitmask. Included by
-// plugins/spec_accept/ort_cpu.cc alone.
+// ort_cpu.cc alone.
 //
 // Exactness: probabilities in float64 as in truncation.py, the same operations (tempered softmax, threshold,
 // renormalize, cumulative mass, count of cdf <= u * total). Sums are vectorized or taken in groups, so they
