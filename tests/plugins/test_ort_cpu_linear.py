@@ -7,6 +7,7 @@ their own rows; a weight that is not a constant initializer is refused at sessio
 
 from __future__ import annotations
 
+import gc
 import platform
 from pathlib import Path
 
@@ -100,6 +101,7 @@ def test_a_float16_weight_is_packed_at_half_the_bytes_with_the_same_sums(variant
         w = half_exact((n, k) if trans_b else (k, n))
         extra = RNG.standard_normal((1, k) if trans_b else (k, 1), dtype=np.float32) * np.float32(1 + 2 ** -20)
         wide = np.concatenate([w, extra], axis=0 if trans_b else 1)
+        gc.collect()                      # sessions of earlier tests let go now, not between the two counts
         before = ort_cpu.packed_linear_bytes(library)
         half, single = session(linear_model([w], trans_b), variant=variant), session(linear_model([wide], trans_b),
                                                                                       variant=variant)
