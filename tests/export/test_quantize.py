@@ -262,7 +262,29 @@ def test_a_step_quantizes_the_target_linears_target_only_does_when_its_head_read
     ids = np.arange(3, VOCAB, 12, dtype=np.int64)                                  # 8 rows
     verify = _run(ir.to_proto(lowered), {"ids": ids})[0]
     decoded = np.concatenate([_run(target_only, {"ids": ids[i:i + 1]})[0] for i in range(len(ids))])
-    np.testing.assert_array_equal(verify, decoded)
+    # the same codes give the same logits up to the last bits of float32 (a float down_proj would be off by
+    # the quantization error, ~1e-2); bit for bit where this CPU's MatMulNBits rounds a lone row as it rounds
+    # that row among others (AVX-512 MLAS does; AVX2 MLAS's one-row kernel sums in another order)
+    np.testing.assert_allclose(verify, decoded, rtol=1e-5, atol=1e-5 * np.abs(decoded).max())
+    if _nbits_rows_alike():
+        np.testing.assert_array_equal(verify, decoded)
+
+
+def _nbits_rows_alike() -> bool:
+    """Whether ONNX Runtime's int4 MatMulNBits gives each of 8 rows the bits it gives that row alone, here."""
+    rng = np.random.default_rng(0)
+    w = rng.integers(0, 256, size=(96, 4, 16), dtype=np.uint8)                     # N 96, K 128, block 32
+    scales = (rng.random(96 * 4, dtype=np.float32) + 0.5) / 64
+    node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=128, N=96, bits=4,
+                            block_size=32, accuracy_level=ort_quant.DEFAULT_ACCURACY_LEVEL)
+    graph = helper.make_graph([node], "nbits", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", 128])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", 96])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)], ir_version=10)
+    x = rng.standard_normal((8, 128), dtype=np.float32)
+    rows = _run(model, {"x": x})[0]
+    return all(np.array_equal(rows[i:i + 1], _run(model, {"x": x[i:i + 1]})[0]) for i in range(8))
 
 
 # --- streamed: weights that stay in the trace's file (issue 36) -------------------------------------------------
