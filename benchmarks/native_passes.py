@@ -2,7 +2,7 @@
 the real step graph, on the ISA variant this CPU runs; one intra-op thread, interleaved repeats.
 
     .venv/bin/python benchmarks/native_passes.py ARTIFACT [ARTIFACT ...] [--repeats 15] [--prompts 4]
-        [--max-tokens 32] [--graph step|target_only] [--json OUT]
+        [--max-tokens 32] [--graph step|target_only] [--kernels TokenLogprobs,...] [--json OUT]
 
 kernels_isa.py times a kernel on its own; this times what a user runs. The artifact's portable graph is lowered
 again (engines/ort/build.py lower_graph) once as `unispec export` lowers it and once per pass switched off:
@@ -145,6 +145,11 @@ def measure(artifact: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         paths = {FULL: lowered(artifact, portable, Path(tmp), FULL, [])}
         kernels = ablations()
+        if args.kernels:                                # the chosen ones, and the graphs they are compared with
+            chosen = set(args.kernels.split(","))
+            if chosen - set(kernels):
+                raise SystemExit(f"unknown kernels {sorted(chosen - set(kernels))}; use some of {', '.join(kernels)}")
+            kernels = {k: v for k, v in kernels.items() if k in chosen or any(kernels[c][1] == k for c in chosen)}
         for kernel, (patches, base) in list(kernels.items()):
             path = lowered(artifact, portable, Path(tmp), kernel, patches)
             if base not in paths:                       # the fusion changed nothing: compare with the full graph
@@ -175,6 +180,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--graph", choices=(io.STEP, io.TARGET_ONLY), default=io.STEP)
+    parser.add_argument("--kernels", default="", help="comma-separated kernels to time (default: every one)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     from plugins import ort_cpu

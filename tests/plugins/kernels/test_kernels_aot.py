@@ -55,9 +55,11 @@ def test_launcher_kernels_compile_to_ptx() -> None:
     assert "attention_pool" in output and "moe_combine" in output
 
 
+@pytest.mark.slow
 def test_plugin_kernels_compile_to_ptx_for_every_target_gpu() -> None:
     """What the plugins' aot_impl embed in an engine, as PTX for sm_80, sm_89, sm_90 and sm_120 (no GPU):
-    compiled, not only interpreted, for every GPU the TensorRT flavours target (fp16; all types: slow)."""
+    compiled, not only interpreted, for every GPU the TensorRT flavours target (fp16; all types: below). Slow:
+    ~5 minutes with Triton's cache empty; the fast suite compiles the sm_90 ones (test_plugins_register_...)."""
     output = run_clean("from tests.plugins.kernels import aot_check\n"
                        "for arch in aot_check.ARCHS:\n"
                        "    kernels = aot_check.compile_all(('fp16',), arch=arch, launchers=False)\n"
