@@ -6,10 +6,6 @@
 // into its loops.
 
 #pragma once
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
