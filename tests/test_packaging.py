@@ -36,7 +36,8 @@ class Forbid(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Forbid())
 """
-FAST_CASE = ("deepseek-v3-mtp-json", "float16")   # tests/engines/tensorrt/test_trt_build.py's: exported once per session
+# tests/engines/tensorrt/test_trt_build.py's case: exported once per session
+FAST_CASE = ("deepseek-v3-mtp-json", "float16")
 
 
 @pytest.fixture(scope="module")

@@ -233,7 +233,8 @@ class TrtBackend:
         self._last = outputs
         return outputs
 
-    # TensorRT builds the step graph only (engines/tensorrt/engine.py): without a target-only engine, every step speculates
+    # TensorRT builds the step graph only (engines/tensorrt/engine.py): without a target-only engine, every step
+    # speculates
     has_target_only = False
 
     def target_only_input_specs(self) -> tuple[io.TensorSpec, ...]:

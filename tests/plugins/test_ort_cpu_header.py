@@ -38,7 +38,8 @@ def test_no_source_states_a_generated_constant() -> None:
     stated = [(name, constant) for name, text in sources.items() for _, constant, _ in DEFINITION.findall(text)
               if constant in header.constants()]
     assert not stated
-    assert all(header.NAME in sources[name] for name in ("spec_accept/ort_cpu_truncation.h", "paged_attention/ort_cpu_attend.h"))
+    assert all(header.NAME in sources[name]
+               for name in ("spec_accept/ort_cpu_truncation.h", "paged_attention/ort_cpu_attend.h"))
 
 
 def test_a_changed_constant_changes_the_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
