@@ -70,7 +70,9 @@ def dynamic_shapes(names: Sequence[str]) -> tuple[tuple[dict[int, object], ...]]
     """torch.export dims per input, keyed by the contract's names."""
     dim = torch.export.Dim
     tokens, batch = dim("num_tokens", min=2), dim("batch", min=2)
-    max_blocks, num_blocks = dim("max_blocks", min=1), dim("num_blocks", min=2)
+    # max_blocks >= 2 as the exporter would refine it: declared >= 1, the trace's guard `!= 1` fails torch.export
+    # and the exporter traced the whole step again with the refined bound (the graphs are the same)
+    max_blocks, num_blocks = dim("max_blocks", min=2), dim("num_blocks", min=2)
     per_batch = {io.CACHE_LENGTHS, io.CHUNK_NEXT_TOKENS, io.TEMPERATURE, io.TOP_K, io.TOP_P, io.MIN_P,
                  io.IN_THINKING_PHASE, io.DRAFT_TOKENS, io.NOISE, io.TOKEN_BITMASK, io.DRAFT_PROBS}
     shapes: list[dict[int, object]] = []
