@@ -158,10 +158,13 @@ def write_onnx(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: st
     graph as traced, neither optimized nor with functions: export/stamp.py adds layers, then calls
     `finish_graph`.
     """
-    program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=OPSET,
-                                input_names=list(input_names), output_names=list(output_names),
-                                dynamic_shapes=dynamic_shapes, verbose=False, optimize=False,
-                                custom_translation_table=plugins.custom_translation_table())
+    from export.one_trace import one_trace
+
+    with one_trace():                      # torch.onnx.export without its second trace where it is not needed
+        program = torch.onnx.export(module.eval(), args, dynamo=True, opset_version=OPSET,
+                                    input_names=list(input_names), output_names=list(output_names),
+                                    dynamic_shapes=dynamic_shapes, verbose=False, optimize=False,
+                                    custom_translation_table=plugins.custom_translation_table())
     if finish:
         _finish(program.model)
     save_streamed(program.model, Path(path))
