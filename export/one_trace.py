@@ -10,8 +10,9 @@ ops the step uses are rewritten in place as their decompositions would have writ
     to.dtype / to.dtype_layout   -> _to_copy(dtype) when the dtype changes, else the input itself
     detach / detach_             -> the input itself (inference: nothing to detach from)
     unflatten(x, dim, sizes)     -> view(x, shape)     the symbolic sizes read from nodes already in the
-    expand_as(x, other)          -> expand(x, shape)   graph, as the decompositions read them
-    reshape, flatten, chunk      kept: torchlib writes the same ONNX nodes for them as for their decompositions
+    flatten(x, start, end)       -> reshape(x, shape)  graph, as the decompositions read them (flatten may
+    expand_as(x, other)          -> expand(x, shape)   copy: a non-contiguous input cannot be viewed)
+    reshape, chunk               kept: torchlib writes the same ONNX nodes for them as for their decompositions
 
 Anything else the second trace would change (an op ONNX lacks, a CIA op it does not keep, a mutation)
 sends the program down the exporter's own path, unchanged. The graphs the two paths write compute the
@@ -98,10 +99,11 @@ def _rewrite_and_check(program: torch.export.ExportedProgram, registry: object) 
 
 
 _aten = torch.ops.aten
-SHAPED = {_aten.unflatten.int: _aten.view.default, _aten.expand_as.default: _aten.expand.default}
+SHAPED = {_aten.unflatten.int: _aten.view.default, _aten.flatten.using_ints: _aten.reshape.default,
+          _aten.expand_as.default: _aten.expand.default}
 REWRITTEN = (_aten.to.dtype, _aten.to.dtype_layout, _aten.detach.default, _aten.detach_.default, *SHAPED)
 # CIA ops the retrace would decompose that torchlib translates to the same ONNX nodes as their decompositions
-KEPT_AS_TRACED = (_aten.reshape.default, _aten.flatten.using_ints, _aten.chunk.default)
+KEPT_AS_TRACED = (_aten.reshape.default, _aten.chunk.default)
 
 
 # what the exporter's remove_assertion_nodes drops after the (skipped) decomposition
@@ -115,8 +117,8 @@ def _is_cia(op: torch._ops.OpOverload) -> bool:
 
 
 def _out_shape(node: torch.fx.Node, first: dict[object, torch.fx.Node]) -> list[object] | None:
-    """The output shape of an unflatten / expand_as as view's / expand's argument: ints, and for a symbolic size
-    a node computing it before `node` (("dim", i) for dim i of the tensor the size comes from, made at the
+    """The output shape of an unflatten / flatten / expand_as as its rewrite's argument: ints, and for a symbolic
+    size a node computing it before `node` (("dim", i) for dim i of the tensor the size comes from, made at the
     rewrite); None when neither exists."""
     have = _shape_owner(node).meta["val"].shape
     shape: list[object] = []
@@ -134,7 +136,7 @@ def _out_shape(node: torch.fx.Node, first: dict[object, torch.fx.Node]) -> list[
 
 
 def _shape_owner(node: torch.fx.Node) -> torch.fx.Node:
-    """The tensor whose dims the output's symbolic sizes are: expand_as's `other`, unflatten's input."""
+    """The tensor whose dims the output's symbolic sizes are: expand_as's `other`, else the input."""
     return node.args[1] if node.target is torch.ops.aten.expand_as.default else node.args[0]
 
 
