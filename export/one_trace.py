@@ -107,9 +107,8 @@ KEPT_AS_TRACED = (_aten.reshape.default, _aten.chunk.default)
 
 
 # what the exporter's remove_assertion_nodes drops after the (skipped) decomposition
-ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
-              torch.ops.aten._assert_async.default, torch.ops.aten._assert_async.msg,
-              torch.ops.aten.sym_constrain_range_for_size.default)
+ASSERTIONS = (_aten._assert_tensor_metadata.default, _aten._assert_scalar.default, _aten._assert_async.default,
+              _aten._assert_async.msg, _aten.sym_constrain_range_for_size.default)
 
 
 def _is_cia(op: torch._ops.OpOverload) -> bool:
@@ -137,7 +136,7 @@ def _out_shape(node: torch.fx.Node, first: dict[object, torch.fx.Node]) -> list[
 
 def _shape_owner(node: torch.fx.Node) -> torch.fx.Node:
     """The tensor whose dims the output's symbolic sizes are: expand_as's `other`, else the input."""
-    return node.args[1] if node.target is torch.ops.aten.expand_as.default else node.args[0]
+    return node.args[1] if node.target is _aten.expand_as.default else node.args[0]
 
 
 def _rename_outputs(program: torch.export.ExportedProgram, renamed: dict[str, str]) -> None:
@@ -155,23 +154,22 @@ def _rename_outputs(program: torch.export.ExportedProgram, renamed: dict[str, st
 def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, shape: list[object] | None) -> torch.fx.Node | None:
     """`node` replaced as its decomposition would write it (module docstring): the node that replaces it, or
     None when its users now read its input."""
-    aten = torch.ops.aten
     source, owner = node.args[0], _shape_owner(node)
     out = node.meta["val"]
     feeds_output = any(user.op == "output" for user in node.users)    # the signature names it: keep a node
-    if not feeds_output and (node.target in (aten.detach.default, aten.detach_.default) or (
-            node.target in (aten.to.dtype, aten.to.dtype_layout) and out.dtype == source.meta["val"].dtype)):
+    if not feeds_output and (node.target in (_aten.detach.default, _aten.detach_.default) or (
+            node.target in (_aten.to.dtype, _aten.to.dtype_layout) and out.dtype == source.meta["val"].dtype)):
         node.replace_all_uses_with(source)
         graph.erase_node(node)
         return None
     with graph.inserting_before(node):
         if shape is None:                                       # a dtype change, or a no-op the output reads
-            new = graph.call_function(aten._to_copy.default, (source,), {"dtype": out.dtype})
+            new = graph.call_function(_aten._to_copy.default, (source,), {"dtype": out.dtype})
         else:
             args = []
             for size in shape:
                 if isinstance(size, tuple):
-                    size = graph.call_function(aten.sym_size.int, (owner, size[1]))
+                    size = graph.call_function(_aten.sym_size.int, (owner, size[1]))
                     size.meta["val"] = owner.meta["val"].shape[size.args[1]]
                 args.append(size)
             new = graph.call_function(SHAPED[node.target], (source, args))
